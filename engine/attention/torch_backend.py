@@ -1,0 +1,216 @@
+"""PyTorch (CPU) attention backend over the paged KV cache, and its plain reference.
+
+Fast path, per step and layer:
+- the new K/V of the whole batch is written with one indexed assignment;
+- a request without cached context (a fresh prefill) attends over its own new K/V directly
+  with `scaled_dot_product_attention(is_causal=True)`;
+- every other request (chunked prefill, prefix-cache hit, decode) gathers its own blocks from
+  the cache (`index_select`, small enough to stay in CPU cache) and attends over them: decode
+  tokens with two plain matmuls, multi-token chunks with SDPA under a bottom-right causal mask.
+  (Measured on 2 cores, 64 decode requests of 64..700 tokens: one padded batched gather + one
+  SDPA call is 3-4x slower than this per-request loop, as the padded gather goes through RAM.)
+
+GQA is handled without repeating K/V: the `group = num_heads // num_kv_heads` query heads that
+share a KV head are folded into the query-length dimension of SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from kernels.cpu import paged_decode as paged_decode_kernel
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Paged attention in plain PyTorch; meant for CPU (works on any device)."""
+
+    name = "torch"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(kv_cache, key, value, metadata.slot_mapping)
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        decode_done = self._decode_with_kernel(query, kv_cache, metadata, scale, out)
+        start = 0
+        lens = zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+        for i, (q_len, s_len) in enumerate(lens):
+            rows = slice(start, start + q_len)
+            start += q_len
+            if q_len == 0 or (q_len == 1 and decode_done):
+                continue
+            if q_len == s_len:
+                out[rows] = _self_causal(query[rows], key[rows], value[rows], scale)
+                continue
+            k_ctx, v_ctx = _gather_request(kv_cache, metadata.block_table[i], s_len)
+            if q_len == 1:
+                out[rows] = _decode_one(query[rows], k_ctx, v_ctx, scale)
+            else:
+                out[rows] = _attend_with_context(query[rows], k_ctx, v_ctx, scale)
+        return out
+
+
+    @staticmethod
+    def _decode_with_kernel(
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], filled for decode rows
+    ) -> bool:
+        """All single-token requests at once through the compiled CPU kernel, when it applies
+        (float32 on the CPU, kernel built); returns whether it handled them."""
+        if (query.device.type != "cpu" or query.dtype != torch.float32
+                or kv_cache.dtype != torch.float32 or not paged_decode_kernel.available()):
+            return False
+        decode = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
+        if not decode:
+            return True
+        if len(decode) == metadata.num_reqs:  # pure decode: rows are requests
+            out.copy_(paged_decode_kernel.paged_decode(
+                query.contiguous(), kv_cache, metadata.block_table.contiguous(),
+                metadata.seq_lens, scale))
+            return True
+        starts = metadata.query_start_loc[:-1].long()
+        idx = torch.tensor(decode, dtype=torch.long)
+        rows = starts[idx]
+        out[rows] = paged_decode_kernel.paged_decode(
+            query[rows].contiguous(), kv_cache, metadata.block_table[idx].contiguous(),
+            metadata.seq_lens[idx].contiguous(), scale)
+        return True
+
+
+def write_kv(
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
+) -> None:
+    """Store each token's K and V at its slot (`block_id * block_size + offset`)."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    # Advanced indices around a slice: the indexed view is [num_tokens, 2, kv_heads, head_dim].
+    kv_cache[blocks, :, offsets] = torch.stack((key, value), dim=1).to(kv_cache.dtype)
+
+
+def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[q_len, num_heads, d] -> [num_kv_heads, q_len * group, d] (rows: token-major)."""
+    q_len, num_heads, d = q.shape
+    group = num_heads // num_kv_heads
+    folded = q.view(q_len, num_kv_heads, group, d).permute(1, 0, 2, 3)
+    return folded.reshape(num_kv_heads, q_len * group, d)
+
+
+def _unfold_gqa(o: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Inverse of `_fold_gqa`: [num_kv_heads, q_len * group, d] -> [q_len, num_heads, d]."""
+    kvh, rows, d = o.shape
+    return o.view(kvh, q_len, rows // q_len, d).permute(1, 0, 2, 3).reshape(q_len, -1, d)
+
+
+def _self_causal(
+    q: torch.Tensor,  # [n, num_heads, d]
+    k: torch.Tensor,  # [n, num_kv_heads, d]
+    v: torch.Tensor,  # [n, num_kv_heads, d]
+    scale: float,
+) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        is_causal=True, scale=scale, enable_gqa=True,
+    )  # [num_heads, n, d]
+    return out.transpose(0, 1)
+
+
+def _gather_request(
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, kv_heads, d]
+    block_row: torch.Tensor,  # [max_blocks] int32
+    seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The request's first `seq_len` cached K and V, each [kv_heads, seq_len, d]."""
+    block_size = kv_cache.shape[2]
+    num_blocks = (seq_len + block_size - 1) // block_size
+    ids = block_row[:num_blocks].long()
+    k, v = (_gather_blocks(kv_cache, ids, kv).flatten(0, 1)[:seq_len] for kv in (0, 1))
+    return k.transpose(0, 1), v.transpose(0, 1)
+
+
+def _gather_blocks(kv_cache: torch.Tensor, ids: torch.Tensor, kv: int) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) of the blocks `ids`, contiguous: [len(ids), block_size, kvh, d]."""
+    return kv_cache.select(1, kv).index_select(0, ids)
+
+
+def _attend_with_context(
+    q: torch.Tensor,  # [q_len, num_heads, d], the last q_len positions of the context
+    k: torch.Tensor,  # [kv_heads, seq_len, d]
+    v: torch.Tensor,  # [kv_heads, seq_len, d]
+    scale: float,
+) -> torch.Tensor:
+    q_len, seq_len = q.shape[0], k.shape[1]
+    group = q.shape[1] // k.shape[0]
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat_interleave(group)
+    # [q_len * group, seq_len]: True where the key position is visible
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    folded = _fold_gqa(q, k.shape[0])  # [kv_heads, q_len * group, d]
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, scale=scale)
+    return _unfold_gqa(out, q_len)
+
+
+def _decode_one(
+    q: torch.Tensor,  # [1, num_heads, d]
+    k: torch.Tensor,  # [kv_heads, seq_len, d]
+    v: torch.Tensor,  # [kv_heads, seq_len, d]
+    scale: float,
+) -> torch.Tensor:
+    """One decode token over its whole context: no mask; plain matmuls beat SDPA here."""
+    kvh, d = k.shape[0], k.shape[2]
+    # [kv_heads, group, seq_len]
+    scores = torch.matmul(q.view(kvh, -1, d), k.transpose(1, 2)).mul_(scale)
+    return torch.matmul(scores.softmax(-1), v).view(1, -1, d)
+
+
+def reference_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Naive token-by-token paged attention (any dtype, float64 included), for tests.
+
+    Writes the new K/V slot by slot, then for each new token reads its request's context
+    position by position through the block table and computes softmax(q k^T * scale) v.
+    """
+    block_size = kv_cache.shape[2]
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    for t, slot in enumerate(metadata.slot_mapping.tolist()):
+        if slot >= 0:
+            kv_cache[slot // block_size, 0, slot % block_size] = key[t]
+            kv_cache[slot // block_size, 1, slot % block_size] = value[t]
+    out = torch.zeros_like(query)
+    start = 0
+    lens = zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+    for i, (q_len, s_len) in enumerate(lens):
+        blocks = metadata.block_table[i].tolist()
+        slots = [(blocks[p // block_size], p % block_size) for p in range(s_len)]
+        ks = torch.stack([kv_cache[b, 0, o] for b, o in slots])  # [s_len, kv_heads, d]
+        vs = torch.stack([kv_cache[b, 1, o] for b, o in slots])
+        for j in range(q_len):
+            pos = s_len - q_len + j
+            for h in range(num_heads):
+                scores = ks[: pos + 1, h // group] @ query[start + j, h] * scale  # [pos + 1]
+                out[start + j, h] = torch.softmax(scores, dim=0) @ vs[: pos + 1, h // group]
+        start += q_len
+    return out

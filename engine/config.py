@@ -1,0 +1,85 @@
+"""The engine's one frozen configuration, validated on construction.
+
+Derived values are properties. Values that depend on the model (`max_model_len` when not given)
+are resolved once at start-up with `resolved(...)`, which returns a new config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+_DTYPES = ("float32", "bfloat16", "float16")
+_POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one engine (one model, one KV cache).
+
+    KV cache size: `num_kv_blocks` when given, else `kv_cache_gib` GiB of cache memory.
+    `max_num_batched_tokens` is the token budget of one step; prefills longer than the budget
+    are chunked. `long_prefill_token_threshold` (0 = off) caps the tokens one prefill may take
+    in one step so that long prompts do not starve decodes.
+    """
+
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None
+    dtype: Dtype = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_gib: float = 1.0
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = None
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.model), "model", "must be a model name or path")
+        _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+               f"must be a power of two in [1, 128], got {self.block_size}")
+        _check(self.kv_cache_gib > 0, "kv_cache_gib", f"must be positive, got {self.kv_cache_gib}")
+        if self.num_kv_blocks is not None:
+            _check(self.num_kv_blocks >= 2, "num_kv_blocks",
+                   f"must be at least 2 (one is the null block), got {self.num_kv_blocks}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be at least 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               f"must be at least 1, got {self.max_num_batched_tokens}")
+        _check(self.long_prefill_token_threshold >= 0, "long_prefill_token_threshold",
+               f"must be non-negative, got {self.long_prefill_token_threshold}")
+        if self.max_model_len is not None:
+            _check(self.max_model_len >= 1, "max_model_len",
+                   f"must be at least 1, got {self.max_model_len}")
+        _check(self.scheduling_policy in _POLICIES, "scheduling_policy",
+               f"must be one of {_POLICIES}, got {self.scheduling_policy!r}")
+        if self.num_threads is not None:
+            _check(self.num_threads >= 1, "num_threads", f"must be at least 1, got {self.num_threads}")
+
+    def resolved(self, model_max_len: int) -> EngineConfig:
+        """This config with `max_model_len` fixed against the model's own limit."""
+        if self.max_model_len is None:
+            return replace(self, max_model_len=model_max_len)
+        _check(self.max_model_len <= model_max_len, "max_model_len",
+               f"must be at most the model's limit {model_max_len}, got {self.max_model_len}")
+        return self
+
+    @property
+    def model_len(self) -> int:
+        """`max_model_len`, which must have been resolved."""
+        if self.max_model_len is None:
+            raise RuntimeError("max_model_len is not resolved yet; call resolved() first")
+        return self.max_model_len
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name} {message}")

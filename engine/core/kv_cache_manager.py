@@ -1,0 +1,143 @@
+"""Which blocks each request holds, with prefix caching over full blocks (pure Python)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.request import Request
+
+NONE_HASH = b"\x00" * 32
+
+
+def hash_block_tokens(parent_hash: bytes, token_ids: list[int] | tuple[int, ...],
+                      extra_keys: tuple[int, ...] = ()) -> bytes:
+    """h_i = SHA-256(h_{i-1} || tokens_i || extra_keys): equal prefixes give equal chains."""
+    h = hashlib.sha256(parent_hash)
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_keys:
+        h.update(b"|")
+        h.update(struct.pack(f"<{len(extra_keys)}q", *extra_keys))
+    return h.digest()
+
+
+def block_hashes_for(token_ids: list[int], block_size: int, parent: bytes = NONE_HASH) -> list[bytes]:
+    """The hash chain of every full block of `token_ids`."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up
+    hits: int = 0  # tokens found
+
+
+class KVCacheManager:
+    """Allocates blocks for requests; finds and records prefix-cache hits.
+
+    A request's blocks cover its tokens in order; `allocate_slots` grows them for the tokens
+    scheduled in a step and records every block that becomes full under its hash.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of the request, and its token count.
+
+        At least the last token is always left to compute, so the request gets logits.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Blocks for `num_new_tokens` more tokens after the computed ones; None if they do not
+        fit (nothing is changed then). `new_computed_blocks` are prefix-cache hits covering
+        `num_new_computed_tokens` tokens, taken over by the request."""
+        computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_required = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = num_required - len(req_blocks) - len(computed_blocks)
+        # Hits that are free right now leave the free queue when taken.
+        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.block_pool.touch(computed_blocks)
+        req_blocks.extend(computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
+        req_blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Returns the request's blocks; the last ones become the first to be evicted."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def _update_block_hashes(self, request: Request) -> None:
+        num_full = request.num_tokens // self.block_size
+        hashes = request.block_hashes
+        parent = hashes[-1] if hashes else NONE_HASH
+        for i in range(len(hashes), num_full):
+            tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
+            parent = hash_block_tokens(parent, tokens)
+            hashes.append(parent)
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        num_full = num_tokens // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(start, num_full):
+            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = num_full

@@ -1,0 +1,224 @@
+"""The scheduler: who computes how many tokens each step (pure Python, no tensors).
+
+There are no prefill or decode phases: every step gives each running request, then waiting
+requests, new tokens up to the token budget, so `num_computed_tokens` catches up with
+`num_tokens`. Long prompts are chunked by the budget. When blocks run out, the most recently
+started running request (or the lowest-priority one) is preempted: its blocks are freed and it
+goes back to the head of the waiting queue, to be recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import make_queue
+from engine.core.stop_check import check_stop
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.max_model_len = config.model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.long_prefill_threshold = config.long_prefill_token_threshold
+        self.policy = config.scheduling_policy
+        self.kv = kv_cache_manager
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        self._finished_for_runner: set[str] = set()
+        self._known_by_runner: set[str] = set()
+
+    # --- requests in and out -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Ends the given unfinished requests (e.g. aborts); unknown ids are ignored."""
+        ended = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            ended.append(request)
+        return ended
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # --- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_blocks: dict[str, list[int]] = {}
+        preempted: list[Request] = []
+        now = time.time()
+
+        budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted)
+        resumed: set[str] = set()
+        if not preempted:
+            self._schedule_waiting(budget, num_scheduled, new_blocks, resumed, now)
+        out = self._build_output(num_scheduled, new_blocks, resumed, preempted)
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        return out
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        n = request.num_tokens - request.num_computed_tokens
+        if 0 < self.long_prefill_threshold < n:
+            n = self.long_prefill_threshold
+        return min(n, budget)
+
+    def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
+                          new_blocks: dict[str, list[int]], preempted: list[Request]) -> int:
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            n = self._num_new_tokens(request, budget)
+            if n == 0:
+                idx += 1
+                continue
+            while True:
+                blocks = self.kv.allocate_slots(request, n)
+                if blocks is not None:
+                    break
+                victim = self._preempt_one()
+                preempted.append(victim)
+                if victim is request:
+                    break
+                if victim.request_id in num_scheduled:  # priority policy: already scheduled
+                    budget += num_scheduled.pop(victim.request_id)
+                    del new_blocks[victim.request_id]
+                    idx -= 1
+            if blocks is None:  # the request itself was preempted
+                continue
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            budget -= n
+            idx += 1
+        return budget
+
+    def _preempt_one(self) -> Request:
+        if self.policy == "priority":
+            victim = max(self.running, key=lambda r: (r.priority, r.times.arrival_time))
+            self.running.remove(victim)
+        else:
+            victim = self.running.pop()
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.times.num_preemptions += 1
+        self.waiting.prepend(victim)
+        return victim
+
+    def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
+                          new_blocks: dict[str, list[int]], resumed: set[str], now: float) -> None:
+        while len(self.waiting) > 0 and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = self._num_new_tokens_after_hits(request, num_hit_tokens, budget)
+            blocks = self.kv.allocate_slots(request, n, num_hit_tokens, hits)
+            if blocks is None:
+                break
+            self.waiting.pop()
+            if request.status == RequestStatus.PREEMPTED:
+                resumed.add(request.request_id)
+            else:
+                request.times.first_scheduled_time = now
+                request.times.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            self.running.append(request)
+            num_scheduled[request.request_id] = n
+            new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
+            budget -= n
+
+    def _num_new_tokens_after_hits(self, request: Request, num_hit_tokens: int, budget: int) -> int:
+        n = request.num_tokens - num_hit_tokens
+        if 0 < self.long_prefill_threshold < n:
+            n = self.long_prefill_threshold
+        return min(n, budget)
+
+    def _build_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
+                      resumed: set[str], preempted: list[Request]) -> SchedulerOutput:
+        new_reqs, cached_reqs = [], []
+        for req_id, _n in num_scheduled.items():
+            request = self.requests[req_id]
+            if req_id not in self._known_by_runner or req_id in resumed:
+                self._known_by_runner.add(req_id)
+                new_reqs.append(NewRequestData(
+                    req_id, list(request.all_token_ids), request.num_prompt_tokens,
+                    request.sampling_params, new_blocks[req_id], request.num_computed_tokens))
+            else:
+                cached_reqs.append(CachedRequestData(
+                    req_id, new_blocks[req_id], request.num_computed_tokens))
+        finished, self._finished_for_runner = self._finished_for_runner, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=finished,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+
+    # --- results of a step ---------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        now = time.time()
+        outputs = []
+        logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                         logprobs, strict=False):
+            request = self.requests.get(req_id)
+            if not token_ids or request is None or request.is_finished:
+                continue
+            if request.num_output_tokens == 0:
+                request.times.first_token_time = now
+            request.append_output_token_ids(token_ids)
+            out = EngineCoreOutput(req_id, list(token_ids), [lp] if lp is not None else None)
+            if check_stop(request, self.max_model_len):
+                self.running.remove(request)
+                self._free(request)
+                request.times.finished_time = now
+                out.finish_reason = request.status.finish_reason
+                out.stop_reason = request.stop_reason
+                out.times = request.times
+            outputs.append(out)
+        return EngineCoreOutputs(outputs=outputs, timestamp=now)
+
+    def _free(self, request: Request) -> None:
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._known_by_runner:
+            self._known_by_runner.discard(request.request_id)
+            self._finished_for_runner.add(request.request_id)

@@ -1,0 +1,163 @@
+"""The engine core in a process of its own (vLLM's EngineCoreProc).
+
+Three threads: an input thread reads ZMQ messages into a queue, the main loop applies adds and
+aborts then steps the core whenever it has work, an output thread encodes and sends outputs.
+The front end binds both sockets; this process connects, loads the model, then says READY (or
+FAILED with the error). It exits on SHUTDOWN, or when its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from engine.engine_core import EngineCore
+from engine.serial import (
+    ABORT,
+    ADD,
+    FAILED,
+    GET_STATS,
+    OUTPUTS,
+    READY,
+    SHUTDOWN,
+    STATS,
+    CoreFailure,
+    MessageCodec,
+    ReadyInfo,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 200
+
+
+def run_engine_core(config_bytes: bytes, input_address: str, output_address: str) -> None:
+    """Process entry point: `config_bytes` is the msgpack-encoded `EngineConfig`."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
+                            format="%(asctime)s %(levelname)s [engine-core] %(message)s")
+    ctx = zmq.Context()
+    input_socket = ctx.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = ctx.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    codec = MessageCodec()
+    try:
+        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        core = EngineCore(config)
+    except Exception as e:
+        logger.exception("engine core failed to start")
+        output_socket.send_multipart(codec.encode(FAILED, CoreFailure(type(e).__name__, str(e))))
+        _close(ctx, input_socket, output_socket, linger_ms=2000)
+        raise SystemExit(1) from None
+    stats = core.get_stats()
+    ready = ReadyInfo(core.config.model_len, core.vocab_size, stats.num_total_blocks, stats)
+    output_socket.send_multipart(codec.encode(READY, ready))
+    try:
+        EngineCoreProc(core, input_socket, output_socket, codec).run()
+    finally:
+        _close(ctx, input_socket, output_socket, linger_ms=2000)
+
+
+class EngineCoreProc:
+    """Busy loop around one EngineCore; sockets are owned by the input / output threads."""
+
+    def __init__(self, core: EngineCore, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 codec: MessageCodec) -> None:
+        self.core = core
+        self.codec = codec
+        self._input_socket = input_socket
+        self._output_socket = output_socket
+        self._inputs: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self._outputs: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        reader = threading.Thread(target=self._read_inputs, name="core-input", daemon=True)
+        writer = threading.Thread(target=self._write_outputs, name="core-output", daemon=True)
+        reader.start()
+        writer.start()
+        try:
+            self._loop()
+        except Exception as e:
+            logger.exception("engine core failed")
+            self._outputs.put((FAILED, CoreFailure(type(e).__name__, str(e))))
+            raise
+        finally:
+            self._stop.set()
+            self._outputs.put(None)
+            writer.join(timeout=5)
+            reader.join(timeout=5)
+            self.core.shutdown()
+
+    def _loop(self) -> None:
+        while True:
+            if not self._handle_inputs(block=not self.core.has_unfinished_requests()):
+                return
+            if self.core.has_unfinished_requests():
+                outputs = self.core.step()
+                if outputs.outputs:
+                    self._outputs.put((OUTPUTS, outputs))
+
+    def _handle_inputs(self, block: bool) -> bool:
+        """Applies every queued message (waiting for one when idle); False on SHUTDOWN."""
+        try:
+            message = self._inputs.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if not self._handle(*message):
+                return False
+            try:
+                message = self._inputs.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _handle(self, kind: bytes, payload: Any) -> bool:
+        if kind == ADD:
+            try:
+                self.core.add_request(payload)
+            except ValueError as e:  # the front end validates; answer instead of hanging
+                logger.warning("request %s rejected: %s", payload.request_id, e)
+                rejected = EngineCoreOutput(payload.request_id, [], finish_reason=FinishReason.ABORT)
+                self._outputs.put((OUTPUTS, EngineCoreOutputs([rejected])))
+        elif kind == ABORT:
+            self.core.abort_requests(payload)
+        elif kind == GET_STATS:
+            self._outputs.put((STATS, self.core.get_stats()))
+        elif kind == SHUTDOWN:
+            return False
+        return True
+
+    def _read_inputs(self) -> None:
+        parent = multiprocessing.parent_process()
+        while not self._stop.is_set():
+            if self._input_socket.poll(_POLL_MS):
+                frames = self._input_socket.recv_multipart(copy=False)
+                self._inputs.put(self.codec.decode([f.bytes for f in frames]))
+            elif parent is not None and not parent.is_alive():
+                logger.warning("parent process is gone; engine core exits")
+                self._inputs.put((SHUTDOWN, None))
+                return
+
+    def _write_outputs(self) -> None:
+        while True:
+            item = self._outputs.get()
+            if item is None:
+                return
+            self._output_socket.send_multipart(self.codec.encode(*item), copy=False)
+
+
+def _close(ctx: zmq.Context, *sockets: zmq.Socket, linger_ms: int) -> None:
+    for s in sockets:
+        s.close(linger=linger_ms)
+    ctx.term()

@@ -1,0 +1,124 @@
+"""EngineCore: the scheduler and the model runner, stepped together (vLLM's EngineCore).
+
+Token ids in, token ids out. It runs in the caller's process (InprocClient) or in a process of
+its own behind ZMQ (engine/core_proc.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineCore:
+    """One model, one KV cache, one scheduler. Not thread-safe: one caller steps it."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.attention.torch_backend import TorchAttentionBackend
+        from engine.kv_cache_sizing import num_kv_blocks
+        from engine.model.loader import load_model, model_max_len, resolve_model_path
+        from engine.runner import ModelRunner
+
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        dtype = _DTYPES[config.dtype]
+        device = torch.device(config.device)
+        path = resolve_model_path(config.model)
+        model, hf_config = load_model(path, dtype, TorchAttentionBackend(), device)
+        config = config.resolved(model_max_len(hf_config))
+        num_blocks = num_kv_blocks(config, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+        _check_cache_holds_one_request(config, num_blocks)
+        self.config = config
+        self.model_path = path
+        self.vocab_size: int = model.vocab_size
+        self.num_blocks = num_blocks
+        self.runner = ModelRunner(
+            model, config.block_size, num_blocks, config.max_num_seqs, config.model_len,
+            config.max_num_batched_tokens, dtype, device, _eos_token_id(hf_config), config.seed)
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
+                                               config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        logger.info("engine core ready: %s, %d KV blocks of %d tokens, max_model_len %d",
+                    path, num_blocks - 1, config.block_size, config.model_len)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queues a request; raises ValueError naming the field when it cannot be served."""
+        self._validate(request)
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Ends the requests and frees their blocks; emits no output for them."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_waiting=self.scheduler.num_waiting,
+            num_running=self.scheduler.num_running,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=self.num_blocks - 1,
+            kv_usage=kv.usage,
+            prefix_cache_queries=kv.stats.queries,
+            prefix_cache_hits=kv.stats.hits,
+            block_size=self.config.block_size,
+            max_model_len=self.config.model_len,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.abort_requests(list(self.scheduler.requests))
+
+    def _validate(self, request: EngineCoreRequest) -> None:
+        n = len(request.prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        if n > self.config.model_len:
+            raise ValueError(f"prompt has {n} tokens, longer than max_model_len="
+                             f"{self.config.model_len}")
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if request.sampling_params.n != 1:
+            raise ValueError("sampling_params.n must be 1 in the engine core; the front end "
+                             "fans out n > 1")
+
+
+def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int) -> None:
+    needed = -(-config.model_len // config.block_size)
+    if num_blocks - 1 < needed:
+        raise ValueError(
+            f"the KV cache ({num_blocks - 1} usable blocks of {config.block_size} tokens) cannot "
+            f"hold one request of max_model_len={config.model_len} ({needed} blocks): raise "
+            f"kv_cache_gib / num_kv_blocks or lower max_model_len")
+
+
+def _eos_token_id(hf_config: object) -> int | None:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if isinstance(eos, list):
+        return eos[0] if eos else None
+    return eos if isinstance(eos, int) else None

@@ -1,0 +1,98 @@
+"""Finding and loading a model: the default model, a local Hugging Face folder, or a hub id."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.attention.backend import AttentionBackend
+from engine.model.default_model import ensure_default_model, is_default_model
+from engine.model.llama import LlamaForCausalLM
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+
+
+def resolve_model_path(model: str) -> Path:
+    """A folder holding config.json for `model`: the default model's name (converted and
+    cached on first use), an existing local folder, or a hub id already downloadable."""
+    if is_default_model(model):
+        return ensure_default_model()
+    local = Path(model).expanduser()
+    if (local / "config.json").is_file():
+        return local
+    try:
+        return _snapshot(model)
+    except Exception as exc:
+        raise ValueError(
+            f"model {model!r} is not a local folder, the default model, "
+            f"or a downloadable hub id: {exc}"
+        ) from exc
+
+
+def _snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        path = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True)
+    except Exception:
+        path = snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS)
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in the snapshot of {repo_id}")
+    return Path(path)
+
+
+def load_config(model_path: Path | str) -> Any:
+    """The transformers config of `model_path`, checked for a supported architecture."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    architectures = list(getattr(config, "architectures", None) or [])
+    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
+        raise ValueError(
+            f"unsupported model architecture {architectures or config.model_type!r} in {model_path}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return config
+
+
+def iter_safetensors(model_path: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of every *.safetensors file in the folder."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_path}")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, handle.get_tensor(name)
+
+
+def load_model(
+    model_path: Path | str,
+    dtype: torch.dtype,
+    attn_backend: AttentionBackend,
+    device: str | torch.device = "cpu",
+) -> tuple[LlamaForCausalLM, Any]:
+    """Builds our model for the folder's config and loads its safetensors weights.
+    Returns `(model in eval mode on device, transformers config)`."""
+    config = load_config(model_path)
+    model = LlamaForCausalLM(config, attn_backend, dtype=dtype)
+    model.load_weights(iter_safetensors(model_path))
+    return model.to(device).eval(), config
+
+
+def load_tokenizer(model_path: Path | str) -> Any:
+    """The folder's transformers tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def model_max_len(hf_config: Any) -> int:
+    """The model's context limit (`max_position_embeddings`)."""
+    return int(hf_config.max_position_embeddings)

@@ -1,0 +1,128 @@
+"""Front-end input processing (vLLM's `Processor`): prompt -> validated `EngineCoreRequest`s.
+
+Text prompts are tokenized as the tokenizer does by default (special tokens added); chat
+messages go through the tokenizer's chat template with the generation prompt; token-id prompts
+are taken as they are. `n > 1` fans out into `n` core requests `"{i}_{request_id}"`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.outputs import EngineCoreRequest
+from engine.sampling_params import SamplingParams
+
+# A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
+PromptType = str | list[int] | list[dict[str, Any]]
+
+
+class Processor:
+    """Tokenizes and validates prompts against a resolved `EngineConfig`.
+
+    Every error is a ValueError naming the problem, raised before anything reaches the core.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int | None = None) -> None:
+        self.config = config
+        self.max_model_len = config.model_len
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
+        self.eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> list[EngineCoreRequest]:
+        """The core requests of one user request (one per sample)."""
+        _, token_ids = self.preprocess(prompt)
+        return self.make_requests(request_id, token_ids, params, arrival_time, priority)
+
+    def preprocess(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(prompt text or None for token ids, prompt token ids), validated."""
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids)
+        return text, token_ids
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> list[EngineCoreRequest]:
+        """Fans `params.n` out into core requests; max_tokens=None becomes the room left."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.max_tokens is None:
+            params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
+        arrival = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            return [self._request(request_id, prompt_token_ids, params, arrival, priority)]
+        return [
+            self._request(child_request_id(request_id, i), prompt_token_ids,
+                          params.for_child(i), arrival, priority)
+            for i in range(params.n)
+        ]
+
+    def _request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, priority: int) -> EngineCoreRequest:
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=list(token_ids),
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            arrival_time=arrival_time,
+            priority=priority,
+        )
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must not be empty" if isinstance(prompt, list) else
+                             f"prompt must be a string, token ids or chat messages, got "
+                             f"{type(prompt).__name__}")
+        if all(isinstance(m, dict) for m in prompt):
+            text = self.apply_chat_template(prompt)  # type: ignore[arg-type]
+            return text, list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)  # type: ignore[arg-type]
+        raise ValueError("prompt must be a string, a list of token ids or a list of chat messages")
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        """The chat prompt text, ending with the assistant's generation prompt."""
+        for m in messages:
+            if "role" not in m or "content" not in m:
+                raise ValueError("chat messages must have 'role' and 'content'")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass a text prompt instead")
+        text: str = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False)
+        return text
+
+    def _validate(self, token_ids: list[int]) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("prompt must not be empty")
+        if n + 1 > self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens, longer than max_model_len={self.max_model_len} allows "
+                f"(the prompt plus at least one output token must fit)")
+        for t in token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t} out of range [0, {self.vocab_size})")
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """Core request id of the `index`-th sample of a request with n > 1."""
+    return f"{index}_{request_id}"

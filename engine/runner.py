@@ -1,0 +1,306 @@
+"""ModelRunner: turns a `SchedulerOutput` (ids and counts) into tensors, runs the model over
+the paged KV cache and samples (vLLM V1's GPUModelRunner, in small).
+
+The runner keeps each request's tokens, block ids, sampling parameters and random generator
+across steps; the scheduler only sends what changed. The batch is flattened in the order of
+`SchedulerOutput.num_scheduled_tokens`: request `i` brings `n_i` tokens, from its
+`num_computed_tokens` on. A request samples when its new tokens reach the end of its known
+tokens; a partial (chunked) prefill samples nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from engine.attention.backend import AttentionMetadata
+from engine.core.outputs import (
+    LogprobsEntry,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.sampler import Sampler, SamplerOutput
+from engine.sampling_params import SamplingParams
+
+
+class CausalLM(Protocol):
+    """What the runner needs from a model (engine.model.llama.LlamaForCausalLM)."""
+
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...  # [num_tokens, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, vocab] float32
+
+
+@dataclass
+class RequestState:
+    """What the runner remembers of one request between steps."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+    token_buf: np.ndarray = field(repr=False)  # [capacity] int64, prompt + outputs
+    num_tokens: int = 0
+
+    def append_token(self, token_id: int) -> None:
+        if self.num_tokens == len(self.token_buf):
+            self.token_buf = np.concatenate([self.token_buf, np.zeros_like(self.token_buf)])
+        self.token_buf[self.num_tokens] = token_id
+        self.num_tokens += 1
+        self.output_token_ids.append(token_id)
+
+
+@dataclass
+class _Batch:
+    """One step's flattened inputs (host side) and the rows that sample."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    metadata: AttentionMetadata
+    sample_req_idx: list[int]  # batch indices of the requests that sample
+    logits_rows: torch.Tensor  # [num_sampled] int64, each one's last token row
+
+
+class ModelRunner:
+    """Owns the KV caches and per-request state; `execute_model` runs one step."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        block_size: int,
+        num_blocks: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        eos_token_id: int | None,
+        seed: int,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        self.eos_token_id = eos_token_id
+        self.vocab_size = model.vocab_size
+        self.requests: dict[str, RequestState] = {}
+        self.sampler = Sampler(seed, self.device)
+        self.kv_caches = [
+            torch.zeros(num_blocks, 2, block_size, model.num_kv_heads, model.head_dim,
+                        dtype=dtype, device=self.device)
+            for _ in range(model.num_layers)
+        ]  # each [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        pin = self.device.type == "cuda"
+        max_blocks = -(-max_model_len // block_size)
+        self._tokens_buf = torch.zeros(3, max_num_batched_tokens, dtype=torch.int64,
+                                       pin_memory=pin)  # ids, positions, slots
+        self._table_buf = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
+        # host buffers are rewritten only after the last step's async copies left them
+        self._copies_done: torch.cuda.Event | None = None
+
+    # --- state ------------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            old = self.requests.get(new.req_id)
+            generator = old.generator if old is not None else self._make_generator(new)
+            self.requests[new.req_id] = self._new_state(new, generator)
+        for cached in so.scheduled_cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _make_generator(self, new: NewRequestData) -> torch.Generator | None:
+        seed = new.sampling_params.seed
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    def _new_state(self, new: NewRequestData, generator: torch.Generator | None) -> RequestState:
+        num_tokens = len(new.token_ids)
+        buf = np.zeros(max(self.max_model_len + 1, num_tokens + 1), dtype=np.int64)
+        buf[:num_tokens] = new.token_ids
+        return RequestState(
+            req_id=new.req_id,
+            sampling_params=new.sampling_params,
+            prompt_token_ids=list(new.token_ids[: new.num_prompt_tokens]),
+            output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+            generator=generator,
+            token_buf=buf,
+            num_tokens=num_tokens,
+        )
+
+    # --- one step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step: updates request state, runs the model on the scheduled tokens, and
+        samples one token for each request whose scheduled tokens reach its last token."""
+        self._update_states(scheduler_output)
+        if not scheduler_output.num_scheduled_tokens:
+            return ModelRunnerOutput([], [], [])
+        batch = self._prepare_batch(scheduler_output.num_scheduled_tokens)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                            batch.metadata)  # [num_tokens, hidden]
+        sampled: list[list[int]] = [[] for _ in batch.req_ids]
+        logprobs: list[LogprobsEntry | None] = [None] * len(batch.req_ids)
+        if batch.sample_req_idx:
+            logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_sampled, vocab]
+            states = [self.requests[batch.req_ids[i]] for i in batch.sample_req_idx]
+            out = self.sampler(logits, self._sampling_metadata(states))
+            self._record(batch, states, out, sampled, logprobs)
+        any_logprobs = any(lp is not None for lp in logprobs)
+        return ModelRunnerOutput(batch.req_ids, sampled, logprobs if any_logprobs else [])
+
+    def _prepare_batch(self, num_scheduled: dict[str, int]) -> _Batch:
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+        req_ids = list(num_scheduled)
+        states = [self.requests[r] for r in req_ids]
+        num_reqs = len(req_ids)
+        query_lens = np.fromiter(num_scheduled.values(), dtype=np.int64, count=num_reqs)
+        computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        seq_lens = computed + query_lens
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        total = int(cu[-1])
+        req_idx = np.repeat(np.arange(num_reqs), query_lens)  # [num_tokens]
+        ids, pos, slots = self._token_arrays(total)
+        np.subtract(np.arange(total), cu[:-1][req_idx], out=pos)
+        pos += computed[req_idx]
+        chunks = [s.token_buf[c:c + n]
+                  for s, c, n in zip(states, computed, query_lens, strict=True)]
+        np.concatenate(chunks, out=ids)
+        table = self._block_table(states)  # [num_reqs, max_blocks] int32
+        np.add(table[req_idx, pos // self.block_size].astype(np.int64) * self.block_size,
+               pos % self.block_size, out=slots)
+        sample_idx = [i for i, s in enumerate(states)
+                      if query_lens[i] > 0 and seq_lens[i] >= s.num_tokens]
+        metadata = self._attention_metadata(slots, cu, query_lens, seq_lens, table)
+        logits_rows = torch.tensor([int(cu[i + 1]) - 1 for i in sample_idx], dtype=torch.int64)
+        batch = _Batch(req_ids, self._to_device(torch.from_numpy(ids)),
+                       self._to_device(torch.from_numpy(pos)), metadata, sample_idx,
+                       logits_rows.to(self.device))
+        if self.device.type == "cuda":
+            self._copies_done = torch.cuda.Event()
+            self._copies_done.record()
+        return batch
+
+    def _attention_metadata(self, slots: np.ndarray, cu: np.ndarray, query_lens: np.ndarray,
+                            seq_lens: np.ndarray, table: np.ndarray) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self._to_device(torch.from_numpy(slots)),
+            query_start_loc=self._to_device(torch.from_numpy(cu.astype(np.int32))),
+            seq_lens=self._to_device(torch.from_numpy(seq_lens.astype(np.int32))),
+            block_table=self._to_device(torch.from_numpy(table)),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_lens_cpu=query_lens.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+
+    def _token_arrays(self, total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Host arrays of `total` entries for token ids, positions and slots."""
+        if total > self._tokens_buf.shape[1]:
+            self._tokens_buf = torch.zeros(3, total, dtype=torch.int64,
+                                           pin_memory=self._tokens_buf.is_pinned())
+        buf = self._tokens_buf.numpy()
+        return buf[0, :total], buf[1, :total], buf[2, :total]
+
+    def _block_table(self, states: list[RequestState]) -> np.ndarray:
+        num_reqs = len(states)
+        width = max(len(s.block_ids) for s in states)
+        rows, cols = self._table_buf.shape
+        if num_reqs > rows or width > cols:
+            self._table_buf = torch.zeros(max(num_reqs, rows), max(width, cols),
+                                          dtype=torch.int32,
+                                          pin_memory=self._table_buf.is_pinned())
+        table = self._table_buf.numpy()[:num_reqs, :width]
+        table.fill(0)
+        for i, s in enumerate(states):
+            table[i, : len(s.block_ids)] = s.block_ids
+        return table
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return t
+        return t.to(self.device, non_blocking=True)
+
+    # --- sampling ---------------------------------------------------------------------
+    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
+        return SamplingMetadata.build(
+            params=[s.sampling_params for s in states],
+            output_token_ids=[s.output_token_ids for s in states],
+            prompt_token_ids=[s.prompt_token_ids for s in states],
+            generators=[s.generator for s in states],
+            eos_token_id=self.eos_token_id,
+            vocab_size=self.vocab_size,
+            device=self.device,
+        )
+
+    def _record(
+        self,
+        batch: _Batch,
+        states: list[RequestState],
+        out: SamplerOutput,
+        sampled: list[list[int]],
+        logprobs: list[LogprobsEntry | None],
+    ) -> None:
+        """Appends each sampled token to its request and fills the per-request outputs."""
+        token_ids = out.sampled_token_ids.tolist()
+        entries = _logprobs_entries(out, states, token_ids)
+        for row, (i, state) in enumerate(zip(batch.sample_req_idx, states, strict=True)):
+            state.append_token(token_ids[row])
+            sampled[i] = [token_ids[row]]
+            logprobs[i] = entries[row]
+
+
+def _logprobs_entries(
+    out: SamplerOutput, states: list[RequestState], token_ids: list[int]
+) -> list[LogprobsEntry | None]:
+    if out.logprobs is None:
+        return [None] * len(states)
+    lp = out.logprobs
+    top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
+    sampled_lps, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
+    entries: list[LogprobsEntry | None] = []
+    for row, state in enumerate(states):
+        n = state.sampling_params.logprobs
+        if n is None:
+            entries.append(None)
+            continue
+        entries.append(LogprobsEntry(
+            token_ids=[token_ids[row], *top_ids[row][:n]],
+            logprobs=[sampled_lps[row], *top_lps[row][:n]],
+            sampled_rank=ranks[row],
+        ))
+    return entries

@@ -1,0 +1,157 @@
+"""Sampler: logits of the sampled rows -> one token per row (vLLM V1's order of operations).
+
+1. raw logprobs (log_softmax of the raw logits) when any row asks for logprobs;
+2. min_tokens: stop ids and eos forbidden while a row has fewer than min_tokens outputs;
+3. penalties: repetition (prompt + output), frequency and presence (output);
+4. greedy rows: argmax of the penalized logits;
+5. temperature -> min-p -> top-k -> top-p -> exponential race `argmax(probs / q)`,
+   `q ~ Exp(1)`, drawn from the row's own generator when the request is seeded (so its tokens
+   do not depend on the rest of the batch) and from the sampler's generator otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sample.metadata import SamplingMetadata
+from engine.sample.penalties import apply_min_tokens, apply_penalties
+
+
+@dataclass
+class LogprobsTensors:
+    """Raw-distribution logprobs of the sampled rows (before penalties and temperature)."""
+
+    top_token_ids: torch.Tensor  # [num_rows, max_num_logprobs] int64
+    top_logprobs: torch.Tensor  # [num_rows, max_num_logprobs] float32
+    sampled_logprobs: torch.Tensor  # [num_rows] float32
+    sampled_ranks: torch.Tensor  # [num_rows] int64, 1 = most likely
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [num_rows] int64
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    """Stateless apart from the generator used by unseeded rows (seeded by the engine seed)."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """logits: [num_rows, vocab] float32 (not modified). Returns one token per row."""
+        if not meta.needs_full_pipeline:
+            return SamplerOutput(logits.argmax(dim=-1), None)
+        logits = logits.to(torch.float32).clone()
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
+        logits = apply_min_tokens(logits, meta.min_tokens_masks)
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
+        sampled = self._sample(logits, meta)
+        lp = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled, meta)
+        return SamplerOutput(sampled, lp)
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy_tokens = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            assert greedy_tokens is not None
+            return greedy_tokens
+        logits = logits / meta.temperature[:, None]
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
+        random_tokens = self._exponential_race(probs, meta.generators)
+        if greedy_tokens is None:
+            return random_tokens
+        return torch.where(meta.greedy, greedy_tokens, random_tokens)
+
+    def _exponential_race(
+        self, probs: torch.Tensor, generators: dict[int, torch.Generator]
+    ) -> torch.Tensor:
+        """argmax(probs / q) with q ~ Exp(1) i.i.d.: a draw from `probs` per row."""
+        u = torch.empty_like(probs)  # [num_rows, vocab], uniform in [0, 1)
+        if len(generators) < probs.shape[0]:
+            u.uniform_(generator=self.generator)
+        for row, gen in generators.items():
+            u[row].uniform_(generator=gen)
+        q = u.log_().neg_()  # Exp(1) by inverse CDF (u = 0 gives q = inf: never chosen)
+        return probs.div_(q).argmax(dim=-1)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Forbids tokens whose probability is below `min_p * max_prob` of their row.
+
+    logits: [num_rows, vocab]; min_p: [num_rows] (0 = off). Returns a new tensor."""
+    probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]  # [num_rows, 1]
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Top-k, then top-p over the renormalized survivors. Returns a new tensor.
+
+    logits: [num_rows, vocab]; top_k: [num_rows] int64 (vocab = off); top_p: [num_rows]
+    float32 (1.0 = off)."""
+    if top_k is not None:
+        logits = apply_top_k(logits, top_k)
+    if top_p is not None:
+        logits = apply_top_p(logits, top_p)
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keeps each row's k largest logits (ties with the k-th kept); one `topk` of the largest
+    enabled k instead of a full sort."""
+    vocab = logits.shape[1]
+    enabled = top_k < vocab  # [num_rows]
+    if not bool(enabled.any()):
+        return logits
+    k = top_k.clamp(1, vocab)
+    max_k = int(k[enabled].max())
+    top_values = logits.topk(max_k, dim=-1).values  # [num_rows, max_k], descending
+    kth = top_values.gather(1, (k.clamp(max=max_k) - 1)[:, None])  # [num_rows, 1]
+    kth = kth.masked_fill(~enabled[:, None], float("-inf"))
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the smallest set of most likely tokens whose probability reaches top_p (a token
+    is kept when the probability of the more likely ones is still below top_p).
+
+    Looks at the `_TOP_P_CANDIDATES` most likely tokens first and sorts the whole row only
+    when they do not reach top_p."""
+    probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
+    enabled = top_p < 1.0  # [num_rows]
+    num_candidates = min(_TOP_P_CANDIDATES, probs.shape[1])
+    sorted_probs = probs.topk(num_candidates, dim=-1).values  # [num_rows, c], descending
+    cum = sorted_probs.cumsum(dim=-1)
+    if not bool(((cum[:, -1] >= top_p) | ~enabled).all()):
+        sorted_probs = probs.sort(dim=-1, descending=True).values  # [num_rows, vocab]
+        cum = sorted_probs.cumsum(dim=-1)
+    num_keep = ((cum - sorted_probs) < top_p[:, None]).sum(dim=-1).clamp(min=1)  # [num_rows]
+    threshold = sorted_probs.gather(1, (num_keep - 1)[:, None])  # [num_rows, 1]
+    drop = (probs < threshold) & enabled[:, None]
+    return logits.masked_fill(drop, float("-inf"))
+
+
+_TOP_P_CANDIDATES = 1024
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, sampled: torch.Tensor, meta: SamplingMetadata
+) -> LogprobsTensors:
+    assert meta.max_num_logprobs is not None
+    top_lp, top_ids = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)  # [num_rows, n]
+    sampled_lp = raw_logprobs.gather(1, sampled[:, None])  # [num_rows, 1]
+    ranks = (raw_logprobs > sampled_lp).sum(dim=-1) + 1  # [num_rows]
+    return LogprobsTensors(top_ids, top_lp, sampled_lp.squeeze(1), ranks)

@@ -1,0 +1,150 @@
+"""CPU paged decode attention: a small C kernel (paged_decode.c) built once with the system C
+compiler and called through ctypes, next to its plain-PyTorch reference.
+
+Used by the PyTorch attention backend for decode tokens on the CPU (float32). Where no C
+compiler is present the backend keeps its pure-PyTorch path: `available()` says which.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("paged_decode.c")
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def paged_decode_reference(
+    query: torch.Tensor,  # [num_reqs, num_heads, head_dim]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_reqs] int32
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q K^T * scale) V over each request's first seq_len cached tokens (GQA-aware)."""
+    num_reqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    for b in range(num_reqs):
+        length = int(seq_lens[b])
+        n_blocks = -(-length // block_size)
+        ids = block_table[b, :n_blocks].long()
+        k = kv_cache[ids, 0].reshape(-1, num_kv_heads, head_dim)[:length]  # [len, kvh, d]
+        v = kv_cache[ids, 1].reshape(-1, num_kv_heads, head_dim)[:length]
+        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, len, d]
+        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (k @ query[b].unsqueeze(-1)).squeeze(-1) * scale  # [num_heads, len]
+        out[b] = (scores.softmax(-1).unsqueeze(1) @ v).squeeze(1)
+    return out
+
+
+def available() -> bool:
+    """Whether the compiled kernel can be used in this process."""
+    return _load() is not None
+
+
+def paged_decode(
+    query: torch.Tensor,  # [num_reqs, num_heads, head_dim] float32, cpu
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim] float32, cpu
+    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32, cpu
+    seq_lens: torch.Tensor,  # [num_reqs] int32, cpu
+    scale: float,
+) -> torch.Tensor:
+    """The compiled kernel; same result as `paged_decode_reference`. Checks inputs first."""
+    _check_inputs(query, kv_cache, block_table, seq_lens)
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the CPU paged-decode kernel could not be built (no C compiler?)")
+    num_reqs, num_heads, head_dim = query.shape
+    out = torch.empty_like(query)
+    failed = lib.paged_decode_f32(
+        _ptr(query), query.stride(0), _ptr(kv_cache), _ptr(block_table), _ptr(seq_lens),
+        _ptr(out), out.stride(0), num_reqs, num_heads, kv_cache.shape[3], head_dim,
+        kv_cache.shape[2], block_table.shape[1], ctypes.c_float(scale), torch.get_num_threads())
+    if failed:
+        raise MemoryError("paged_decode: out of memory for the score buffer")
+    return out
+
+
+def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                  seq_lens: torch.Tensor) -> None:
+    for name, t in (("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
+                    ("seq_lens", seq_lens)):
+        if t.device.type != "cpu":
+            raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
+        raise ValueError(f"query and kv_cache must be float32, got {query.dtype} / {kv_cache.dtype}")
+    if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_table and seq_lens must be int32")
+    if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(f"query must be [reqs, heads, dim] and kv_cache [blocks, 2, block, kv_heads, "
+                         f"dim], got {tuple(query.shape)} / {tuple(kv_cache.shape)}")
+    num_reqs, num_heads, head_dim = query.shape
+    if kv_cache.shape[4] != head_dim or num_heads % kv_cache.shape[3] != 0:
+        raise ValueError("head_dim must match and num_heads must be a multiple of num_kv_heads")
+    if tuple(block_table.shape[:1]) != (num_reqs,) or tuple(seq_lens.shape) != (num_reqs,):
+        raise ValueError("block_table and seq_lens must have one row per request")
+    if not kv_cache.is_contiguous() or not block_table.is_contiguous() or not seq_lens.is_contiguous():
+        raise ValueError("kv_cache, block_table and seq_lens must be contiguous")
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        raise ValueError("query must be contiguous within each token ([heads, dim] rows)")
+    if num_reqs and int(seq_lens.max()) > block_table.shape[1] * kv_cache.shape[2]:
+        raise ValueError("a seq_len is longer than its block table covers")
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
+        return None
+    try:
+        _lib = _build_and_open()
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU paged-decode kernel unavailable, using the PyTorch path: %s", exc)
+        _lib = None
+    return _lib
+
+
+def _build_and_open() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise OSError("no C compiler found")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.machine().encode()
+                         + platform.node().encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
+    target = cache / f"paged_decode-{key}.so"
+    if not target.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            built = Path(tmp) / target.name
+            subprocess.run([cc, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"], check=True,
+                           capture_output=True, timeout=120)
+            os.replace(built, target)  # atomic: a concurrent build never sees half a file
+    lib = ctypes.CDLL(str(target))
+    lib.paged_decode_f32.restype = ctypes.c_int
+    lib.paged_decode_f32.argtypes = [
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+    return lib

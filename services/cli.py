@@ -1,0 +1,124 @@
+"""The `pdserve` command line. One subcommand per task; each registers its own parser.
+
+    pdserve generate --prompt "Hello" --max-tokens 32 --temperature 0
+    pdserve generate --chat --prompt "What is the capital of France?" --n 2 --seed 1
+
+New subcommands (`kvstore`, `up`, ...) add a `_add_<name>(subparsers)` function to
+`SUBCOMMANDS`; it sets `func` to a handler taking the parsed arguments and returning an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.config import DEFAULT_MODEL
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help="default model name, local Hugging Face folder or hub id")
+    group.add_argument("--tokenizer", default=None)
+    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--device", default="cpu")
+    group.add_argument("--max-model-len", type=int, default=None)
+    group.add_argument("--block-size", type=int, default=16)
+    group.add_argument("--kv-cache-gib", type=float, default=1.0)
+    group.add_argument("--num-kv-blocks", type=int, default=None)
+    group.add_argument("--num-threads", type=int, default=None)
+    group.add_argument("--log-level", default="WARNING")
+
+
+def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+                max_model_len=args.max_model_len, block_size=args.block_size,
+                kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
+                num_threads=args.num_threads)
+
+
+def _add_generate(subparsers: Any) -> None:
+    p = subparsers.add_parser("generate", help="generate completions offline and print them")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="a prompt (repeat for several)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per completion instead of plain text")
+    _add_engine_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens, stop=args.stop,
+        ignore_eos=args.ignore_eos)
+    llm = LLM(**_engine_kwargs(args))
+    try:
+        if args.chat:
+            system = [{"role": "system", "content": args.system}] if args.system else []
+            outputs = llm.chat([[*system, {"role": "user", "content": p}] for p in args.prompt],
+                               params, use_tqdm=False)
+        else:
+            outputs = llm.generate(list(args.prompt), params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    many = len(outputs) > 1 or args.n > 1
+    for i, out in enumerate(outputs):
+        for sample in out.outputs:
+            if args.json:
+                print(json.dumps({"prompt_index": i, "index": sample.index, "text": sample.text,
+                                  "token_ids": list(sample.token_ids),
+                                  "finish_reason": sample.finish_reason}))
+                continue
+            if many:
+                print(f"=== prompt {i}, sample {sample.index} ===")
+            print(sample.text)
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: disaggregated "
+                                     "prefill/decode LLM serving")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point (`pdserve`); returns the exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        code: int = args.func(args)
+    except ValueError as e:
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""TorchAttentionBackend against the naive float64 reference over mixed paged batches."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from engine.attention.backend import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend, reference_paged_attention
+
+HEAD_DIM = 8
+
+
+def _batch(reqs: list[tuple[int, int]], block_size: int, holes: bool, seed: int):
+    """Metadata for requests given as (cached context, new tokens), with shuffled block ids.
+    With `holes`, every third new token has slot -1 (not written); `true_slots` tells where
+    such a token's K/V lives (already present, as after a prefix-cache load)."""
+    rng = random.Random(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in reqs) + 3
+    free = list(range(1, num_blocks))
+    rng.shuffle(free)
+    tables, slots, true_slots, q_lens, s_lens = [], [], [], [], []
+    for ctx, new in reqs:
+        blocks = [free.pop() for _ in range(-(-(ctx + new) // block_size))]
+        tables.append(blocks)
+        for p in range(ctx, ctx + new):
+            slot = blocks[p // block_size] * block_size + p % block_size
+            slots.append(-1 if holes and len(slots) % 3 == 2 else slot)
+            true_slots.append(slot)
+        q_lens.append(new)
+        s_lens.append(ctx + new)
+    table = torch.zeros(len(reqs), max(len(t) for t in tables), dtype=torch.int32)
+    for i, blocks in enumerate(tables):
+        table[i, : len(blocks)] = torch.tensor(blocks)
+    starts = [0]
+    for n in q_lens:
+        starts.append(starts[-1] + n)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(s_lens, dtype=torch.int32), block_table=table,
+        max_query_len=max(q_lens), max_seq_len=max(s_lens), query_lens_cpu=q_lens, seq_lens_cpu=s_lens,
+    )
+    return metadata, num_blocks, true_slots
+
+
+MIXES = {
+    "pure_prefill": [(0, 7), (0, 1), (0, 19)],
+    "chunked_with_context": [(5, 7), (12, 3), (1, 9)],
+    "pure_decode": [(6, 1), (17, 1), (1, 1), (31, 1)],
+    "everything": [(0, 11), (9, 1), (4, 6), (0, 1), (22, 1), (13, 13)],
+}
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (3, 1)])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("holes", [False, True])
+def test_backend_matches_reference(block_size, num_heads, num_kv_heads, mix, holes) -> None:
+    metadata, num_blocks, true_slots = _batch(MIXES[mix], block_size, holes, seed=block_size + num_heads)
+    torch.manual_seed(0)
+    n = sum(metadata.query_lens_cpu)
+    q = torch.randn(n, num_heads, HEAD_DIM)
+    k = torch.randn(n, num_kv_heads, HEAD_DIM)
+    v = torch.randn(n, num_kv_heads, HEAD_DIM)
+    # a cache pre-filled with random "earlier" K/V (the cached context)
+    cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, HEAD_DIM)
+    for t, (slot, true_slot) in enumerate(zip(metadata.slot_mapping.tolist(), true_slots, strict=True)):
+        if slot < 0:  # a skipped token's K/V is already in the cache
+            cache[true_slot // block_size, 0, true_slot % block_size] = k[t]
+            cache[true_slot // block_size, 1, true_slot % block_size] = v[t]
+    ref_cache = cache.double().clone()
+    ref = reference_paged_attention(q.double(), k.double(), v.double(), ref_cache, metadata, 0.3)
+
+    out = TorchAttentionBackend().forward(q, k, v, cache, metadata, 0.3)
+
+    assert out.shape == q.shape
+    assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    assert_close(cache.double(), ref_cache, atol=0, rtol=0)
+
+
+def test_skipped_slots_leave_the_cache_untouched() -> None:
+    metadata, num_blocks, _ = _batch([(0, 6)], block_size=4, holes=True, seed=1)
+    cache = torch.zeros(num_blocks, 2, 4, 1, HEAD_DIM)
+    k = torch.ones(6, 1, HEAD_DIM)
+    TorchAttentionBackend().forward(torch.ones(6, 1, HEAD_DIM), k, k, cache, metadata, 1.0)
+    written = int((cache != 0).any(dim=-1).sum())
+    assert written == 2 * 4  # 4 of 6 tokens (slots 2 and 5 are -1), K and V each
+    assert not cache[0].any()  # the null block is never written

@@ -1,0 +1,47 @@
+"""KV cache sizing: bytes per block and the number of blocks a config gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache_sizing import kv_cache_bytes_per_block, num_kv_blocks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bytes_per_block_equal_one_blocks_tensors_over_all_layers(dtype: torch.dtype) -> None:
+    layers, heads, head_dim, block_size = 3, 2, 8, 16
+    one_layer = torch.empty(1, 2, block_size, heads, head_dim, dtype=dtype)
+    expected = layers * one_layer.numel() * one_layer.element_size()
+    assert kv_cache_bytes_per_block(layers, heads, head_dim, block_size, dtype) == expected
+
+
+def test_smollm2_block_size_in_float32() -> None:
+    # 30 layers * K and V * 16 tokens * 3 heads * 64 dims * 4 bytes
+    assert kv_cache_bytes_per_block(30, 3, 64, 16, torch.float32) == 30 * 2 * 16 * 3 * 64 * 4
+
+
+def test_explicit_num_kv_blocks_wins_over_gib() -> None:
+    config = EngineConfig(num_kv_blocks=7, kv_cache_gib=100.0)
+    assert num_kv_blocks(config, 30, 3, 64, torch.float32) == 7
+
+
+def test_blocks_fill_kv_cache_gib_rounded_down() -> None:
+    config = EngineConfig(kv_cache_gib=0.5, block_size=16)
+    per_block = 30 * 2 * 16 * 3 * 64 * 4
+    got = num_kv_blocks(config, 30, 3, 64, torch.float32)
+    assert got == (2**29) // per_block
+    assert got * per_block <= 2**29 < (got + 1) * per_block
+
+
+def test_half_precision_doubles_the_blocks() -> None:
+    config = EngineConfig(kv_cache_gib=0.25)
+    f32 = num_kv_blocks(config, 4, 2, 32, torch.float32)
+    assert num_kv_blocks(config, 4, 2, 32, torch.bfloat16) == 2 * f32
+
+
+def test_too_small_cache_raises_naming_kv_cache_gib() -> None:
+    config = EngineConfig(kv_cache_gib=1e-6)
+    with pytest.raises(ValueError, match="kv_cache_gib"):
+        num_kv_blocks(config, 30, 3, 64, torch.float32)

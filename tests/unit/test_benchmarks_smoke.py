@@ -1,0 +1,100 @@
+"""The benchmark scripts stay runnable: each `main` runs end to end on a tiny random model."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import bench_prefix_cache, bench_workload_a, check_memory
+from benchmarks.common import ModelShape, markdown_table, workload_flops
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama with a word-level tokenizer of the same vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {f"t{i}": i for i in range(4, VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", unk_token="<unk>").save_pretrained(path)
+    return path
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """Markdown table rows keyed by their first cell (header and rule lines skipped)."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and not set(cells[0]) <= {"-"}:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_workload_flops_counts_dense_lm_head_and_attention_terms(tiny_model: Path) -> None:
+    shape = ModelShape.from_folder(tiny_model)
+    hf = __import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model)
+    non_embedding = sum(p.numel() for n, p in hf.named_parameters()
+                        if "embed_tokens" not in n and "lm_head" not in n)
+    assert shape.non_embedding_params == non_embedding
+    # one prompt of 3 tokens + 2 new: 5 dense tokens, 2 sampled positions, contexts 1..5
+    expected = 2 * non_embedding * 5 + 2 * VOCAB * 64 * 2 + 4 * 2 * 64 * 15
+    assert workload_flops(shape, [3], 2) == expected
+
+
+def test_markdown_table_aligns_columns_and_formats_floats() -> None:
+    text = markdown_table(["a", "bb"], [["x", 1.234], ["yy", 0.01234]])
+    assert text.splitlines() == ["| a  | bb     |", "|----|--------|",
+                                 "| x  | 1.23   |", "| yy | 0.0123 |"]
+
+
+def test_bench_workload_a_prints_engine_and_transformers_rows(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_model), "--num-prompts", "4", "--min-len", "8", "--max-len", "16",
+            "--output-len", "4", "--hf-batch-size", "2", "--kv-cache-gib", "0.01",
+            "--gemm-size", "128"]
+    assert bench_workload_a.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = table_rows(out)
+    assert {"engine", "transformers"} <= rows.keys()
+    assert float(rows["transformers"][-1]) == pytest.approx(1.0)
+    assert re.search(r"greedy tokens identical to transformers: \d/4 prompts", out)
+
+
+def test_bench_prefix_cache_reports_hits_only_with_caching(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_model), "--num-requests", "3", "--prefix-len", "32",
+            "--min-suffix", "4", "--max-suffix", "8", "--output-len", "2",
+            "--kv-cache-gib", "0.01"]
+    assert bench_prefix_cache.main(argv) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert float(rows["on"][-1]) >= 32  # the two full prefix blocks come from the cache
+    assert float(rows["off"][-1]) == 0
+
+
+def test_check_memory_fails_when_the_engine_exceeds_the_budget(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--model", str(tiny_model), "--kv-cache-gib", "0.01", "--num-prompts", "2",
+            "--prompt-len", "8", "--output-len", "2", "--budget-gib", "0.01"]
+    assert check_memory.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "OVER BUDGET" in out
+    peak_gib = float(out.strip().splitlines()[-1].strip("|").split("|")[0])
+    assert peak_gib > 0.05  # a Python process with torch loaded
