@@ -4,68 +4,109 @@
  * Layout: kv_cache [num_blocks, 2, block_size, num_kv_heads, head_dim] (0 = K, 1 = V),
  *         query / out [num_reqs, num_heads, head_dim] (token stride q_stride / out_stride),
  *         block_table [num_reqs, max_blocks] int32, seq_lens [num_reqs] int32.
- * Work item = (request, kv head): its `group` query heads share one pass over the context, so
- * every K/V row is read from memory once. Scores are kept for the whole context (two passes:
- * scores, then softmax-weighted V), which is exact and cheap for CPU context lengths.
+ * Work item = one request (or, when there are fewer requests than threads, one kv head of a
+ * request). An item streams its blocks once, K then V of each block (adjacent in memory, and the
+ * next block is prefetched), with an online softmax: per block, scores of every query head,
+ * running max and sum updated, accumulators rescaled. Reading whole contiguous blocks instead of
+ * one kv head's strided slice measured 1.7x faster on 2 cores (decode is bound by KV reads).
+ * Built with -ffast-math for vectorized expf; the running max starts at -FLT_MAX and the first
+ * block sets the accumulators outright, so nothing depends on infinities.
  * Why C and not Triton: Triton runs on CPUs only in its interpreter; this is the CPU fast path.
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
-static inline float dot(const float *a, const float *b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
+#define MAX_HEADS 128
+#define MAX_DIM 256
+#define MAX_BLOCK 64
 
-static inline void axpy(float *y, float w, const float *x, int64_t n) {
+int paged_decode_max_heads(void) { return MAX_HEADS; }
+int paged_decode_max_dim(void) { return MAX_DIM; }
+int paged_decode_max_block(void) { return MAX_BLOCK; }
+
+/* Attention of query heads [h0, h1) of request b (all sharing kv heads h0/group..). */
+static void attend(const float *q, const float *kv_cache, const int32_t *blocks, int64_t len,
+                   float *o, int64_t h0, int64_t h1, int64_t group, int64_t row,
+                   int64_t head_dim, int64_t block_size, float scale) {
+  float acc[MAX_HEADS * MAX_DIM];
+  float m[MAX_HEADS], l[MAX_HEADS];
+  float s[MAX_HEADS * MAX_BLOCK];
+  const int64_t nh = h1 - h0;
+  const int64_t block_stride = 2 * block_size * row;
+  for (int64_t h = 0; h < nh; ++h) { m[h] = -FLT_MAX; l[h] = 0.f; }
+  memset(acc, 0, sizeof(float) * (size_t)(nh * head_dim));
+  const int64_t nblk = (len + block_size - 1) / block_size;
+  for (int64_t j = 0; j < nblk; ++j) {
+    const float *kb = kv_cache + (int64_t)blocks[j] * block_stride;
+    const float *vb = kb + block_size * row;
+    const int64_t n = (j + 1) * block_size <= len ? block_size : len - j * block_size;
+    if (j + 1 < nblk) {
+      const char *next = (const char *)(kv_cache + (int64_t)blocks[j + 1] * block_stride);
+      const int64_t bytes = block_stride * (int64_t)sizeof(float);
+      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float *k = kb + t * row;
+      for (int64_t h = 0; h < nh; ++h) {
+        const float *kk = k + ((h0 + h) / group) * head_dim;
+        const float *qq = q + (h0 + h) * head_dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < head_dim; ++i) dot += qq[i] * kk[i];
+        s[h * MAX_BLOCK + t] = dot * scale;
+      }
+    }
+    for (int64_t h = 0; h < nh; ++h) {
+      float *sh = s + h * MAX_BLOCK;
+      float mx = m[h];
+      for (int64_t t = 0; t < n; ++t) mx = sh[t] > mx ? sh[t] : mx;
+      const float corr = j == 0 ? 0.f : expf(m[h] - mx);
+      float sum = 0.f;
+      for (int64_t t = 0; t < n; ++t) { sh[t] = expf(sh[t] - mx); sum += sh[t]; }
+      l[h] = l[h] * corr + sum;
+      m[h] = mx;
+      if (j > 0 && corr != 1.f) {
+        float *a = acc + h * head_dim;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += w * x[i];
+        for (int64_t i = 0; i < head_dim; ++i) a[i] *= corr;
+      }
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      const float *v = vb + t * row;
+      for (int64_t h = 0; h < nh; ++h) {
+        const float *vv = v + ((h0 + h) / group) * head_dim;
+        float *a = acc + h * head_dim;
+        const float p = s[h * MAX_BLOCK + t];
+#pragma omp simd
+        for (int64_t i = 0; i < head_dim; ++i) a[i] += p * vv[i];
+      }
+    }
+  }
+  for (int64_t h = 0; h < nh; ++h) {
+    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    float *oo = o + (h0 + h) * head_dim;
+    for (int64_t i = 0; i < head_dim; ++i) oo[i] = acc[h * head_dim + i] * inv;
+  }
 }
 
+/* Returns 0, or 2 when a size is over the MAX_* limits (the Python wrapper checks first). */
 int paged_decode_f32(const float *query, int64_t q_stride, const float *kv_cache,
                      const int32_t *block_table, const int32_t *seq_lens, float *out,
                      int64_t out_stride, int64_t num_reqs, int64_t num_heads,
                      int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                      int64_t max_blocks, float scale, int num_threads) {
+  if (num_heads > MAX_HEADS || head_dim > MAX_DIM || block_size > MAX_BLOCK) return 2;
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row = num_kv_heads * head_dim;      /* one token's K (or V), all heads */
-  const int64_t block_stride = 2 * block_size * row; /* one block, K and V */
-  int failed = 0;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-  for (int64_t b = 0; b < num_reqs; ++b) {
-    for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-      const int64_t len = seq_lens[b];
-      const int32_t *blocks = block_table + b * max_blocks;
-      const float *q = query + b * q_stride + kh * group * head_dim;
-      float *o = out + b * out_stride + kh * group * head_dim;
-      float *scores = (float *)malloc(sizeof(float) * (size_t)(group * (len > 0 ? len : 1)));
-      if (scores == NULL) { failed = 1; continue; }
-      for (int64_t t = 0; t < len; ++t) {
-        const float *k = kv_cache + blocks[t / block_size] * block_stride +
-                         (t % block_size) * row + kh * head_dim;
-        for (int64_t g = 0; g < group; ++g)
-          scores[g * len + t] = dot(q + g * head_dim, k, head_dim) * scale;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float *s = scores + g * len;
-        float m = -INFINITY, sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-        for (int64_t t = 0; t < len; ++t) { s[t] = expf(s[t] - m); sum += s[t]; }
-        const float inv = sum > 0.f ? 1.f / sum : 0.f;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-        memset(o + g * head_dim, 0, sizeof(float) * (size_t)head_dim);
-      }
-      for (int64_t t = 0; t < len; ++t) {
-        const float *v = kv_cache + blocks[t / block_size] * block_stride + block_size * row +
-                         (t % block_size) * row + kh * head_dim;
-        for (int64_t g = 0; g < group; ++g) axpy(o + g * head_dim, scores[g * len + t], v, head_dim);
-      }
-      free(scores);
-    }
+  const int64_t row = num_kv_heads * head_dim; /* one token's K (or V), all kv heads */
+  const int64_t splits = num_reqs >= num_threads ? 1 : num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+  for (int64_t item = 0; item < num_reqs * splits; ++item) {
+    const int64_t b = item / splits, c = item % splits;
+    const int64_t per = num_heads / splits;
+    attend(query + b * q_stride, kv_cache, block_table + b * max_blocks, seq_lens[b],
+           out + b * out_stride, c * per, (c + 1) * per, group, row, head_dim, block_size, scale);
   }
-  return failed;
+  return 0;
 }

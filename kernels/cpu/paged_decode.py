@@ -22,7 +22,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+# Compiled with -ffast-math (vectorized expf) but linked without it, so the shared object does
+# not carry crtfastmath's flush-to-zero start-up code into the whole process.
+_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+_LINK_FLAGS = ["-shared", "-fopenmp"]
+# Sizes the kernel's fixed per-item buffers hold (paged_decode.c MAX_*).
+MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 128, 256, 64
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -57,6 +62,11 @@ def available() -> bool:
     return _load() is not None
 
 
+def supports(num_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether these sizes fit the kernel's buffers (otherwise use the PyTorch path)."""
+    return num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM and block_size <= MAX_BLOCK_SIZE
+
+
 def paged_decode(
     query: torch.Tensor,  # [num_reqs, num_heads, head_dim] float32, cpu
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim] float32, cpu
@@ -76,7 +86,8 @@ def paged_decode(
         _ptr(out), out.stride(0), num_reqs, num_heads, kv_cache.shape[3], head_dim,
         kv_cache.shape[2], block_table.shape[1], ctypes.c_float(scale), torch.get_num_threads())
     if failed:
-        raise MemoryError("paged_decode: out of memory for the score buffer")
+        raise ValueError(f"paged_decode: sizes over the kernel's limits (heads <= {MAX_HEADS}, "
+                         f"head_dim <= {MAX_HEAD_DIM}, block_size <= {MAX_BLOCK_SIZE})")
     return out
 
 
@@ -104,6 +115,10 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         raise ValueError("query must be contiguous within each token ([heads, dim] rows)")
     if num_reqs and int(seq_lens.max()) > block_table.shape[1] * kv_cache.shape[2]:
         raise ValueError("a seq_len is longer than its block table covers")
+    if not supports(num_heads, head_dim, kv_cache.shape[2]):
+        raise ValueError(f"sizes over the kernel's limits: num_heads {num_heads} (<= {MAX_HEADS}), "
+                         f"head_dim {head_dim} (<= {MAX_HEAD_DIM}), block_size {kv_cache.shape[2]} "
+                         f"(<= {MAX_BLOCK_SIZE})")
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
@@ -130,15 +145,18 @@ def _build_and_open() -> ctypes.CDLL:
     if cc is None:
         raise OSError("no C compiler found")
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + platform.machine().encode()
+    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
+    key = hashlib.sha256(source + flags.encode() + platform.machine().encode()
                          + platform.node().encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
     target = cache / f"paged_decode-{key}.so"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            built = Path(tmp) / target.name
-            subprocess.run([cc, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"], check=True,
+            built, obj = Path(tmp) / target.name, Path(tmp) / "paged_decode.o"
+            subprocess.run([cc, *_COMPILE_FLAGS, "-c", "-o", str(obj), str(_SOURCE)], check=True,
+                           capture_output=True, timeout=120)
+            subprocess.run([cc, *_LINK_FLAGS, "-o", str(built), str(obj), "-lm"], check=True,
                            capture_output=True, timeout=120)
             os.replace(built, target)  # atomic: a concurrent build never sees half a file
     lib = ctypes.CDLL(str(target))

@@ -69,3 +69,30 @@ def test_bad_inputs_are_rejected_before_the_call(mutate, message: str) -> None: 
     args = {"query": q, "kv_cache": cache, "block_table": table, "seq_lens": seq_lens}
     with pytest.raises(ValueError, match=message):
         paged_decode(scale=0.1, **mutate(args))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_few_requests_split_over_kv_heads_match_reference(threads: int) -> None:
+    """Fewer requests than threads: the kernel splits each request over its kv heads."""
+    q, cache, table, seq_lens = make_case([37, 300], 12, 4, 64, 16, seed=threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_decode(q, cache, table, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, paged_decode_reference(q, cache, table, seq_lens, 0.125),
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_sizes_over_the_kernel_buffers_are_rejected() -> None:
+    q, cache, table, seq_lens = make_case([5, 40], 4, 2, 64, 128)
+    with pytest.raises(ValueError, match="block_size 128"):
+        paged_decode(q, cache, table, seq_lens, 0.1)
+
+
+def test_loading_the_kernel_keeps_denormals() -> None:
+    """Built with -ffast-math but linked without it: no flush-to-zero for the whole process."""
+    assert available()
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert float(tiny * 1.0) != 0.0
