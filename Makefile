@@ -33,7 +33,7 @@ test-all: setup
 
 lint: setup
 	$(BIN)/ruff check engine kernels kvstore services protos loadtest tests benchmarks
-	$(BIN)/mypy engine services benchmarks
+	$(BIN)/mypy engine services benchmarks kernels
 
 bench: setup
 	$(BIN)/python benchmarks/bench_workload_a.py

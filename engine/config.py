@@ -14,13 +14,20 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 Dtype = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
+_BACKENDS = ("auto", "torch", "triton")
+CPU_DEFAULT_KV_CACHE_GIB = 1.0
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Configuration of one engine (one model, one KV cache).
 
-    KV cache size: `num_kv_blocks` when given, else `kv_cache_gib` GiB of cache memory.
+    KV cache size: `num_kv_blocks` when given, else `kv_cache_gib` GiB of cache memory, else
+    (the default) 1 GiB on the CPU and, on CUDA, what `gpu_memory_utilization` of the GPU's
+    memory leaves after the weights and a profiled peak step (as vLLM sizes it).
+    On CUDA, decode steps run as captured CUDA graphs unless `enforce_eager`.
+    `attention_backend` "auto" picks Triton on CUDA and PyTorch on the CPU; "triton" on the CPU
+    runs the Triton kernels in Triton's interpreter (needs TRITON_INTERPRET=1; for tests).
     `max_num_batched_tokens` is the token budget of one step; prefills longer than the budget
     are chunked. `long_prefill_token_threshold` (0 = off) caps the tokens one prefill may take
     in one step so that long prompts do not starve decodes.
@@ -31,7 +38,10 @@ class EngineConfig:
     dtype: Dtype = "float32"
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -47,7 +57,12 @@ class EngineConfig:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                f"must be a power of two in [1, 128], got {self.block_size}")
-        _check(self.kv_cache_gib > 0, "kv_cache_gib", f"must be positive, got {self.kv_cache_gib}")
+        if self.kv_cache_gib is not None:
+            _check(self.kv_cache_gib > 0, "kv_cache_gib", f"must be positive, got {self.kv_cache_gib}")
+        _check(self.attention_backend in _BACKENDS, "attention_backend",
+               f"must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None:
             _check(self.num_kv_blocks >= 2, "num_kv_blocks",
                    f"must be at least 2 (one is the null block), got {self.num_kv_blocks}")

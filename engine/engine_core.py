@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -26,8 +27,7 @@ class EngineCore:
     """One model, one KV cache, one scheduler. Not thread-safe: one caller steps it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from engine.attention.torch_backend import TorchAttentionBackend
-        from engine.kv_cache_sizing import num_kv_blocks
+        from engine.attention.selector import backend_for_device
         from engine.model.loader import load_model, model_max_len, resolve_model_path
         from engine.runner import ModelRunner
 
@@ -36,10 +36,12 @@ class EngineCore:
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
         device = torch.device(config.device)
+        backend = backend_for_device(device, config.attention_backend)
+        free_before_load = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         path = resolve_model_path(config.model)
-        model, hf_config = load_model(path, dtype, TorchAttentionBackend(), device)
+        model, hf_config = load_model(path, dtype, backend, device)
         config = config.resolved(model_max_len(hf_config))
-        num_blocks = num_kv_blocks(config, model.num_layers, model.num_kv_heads, model.head_dim, dtype)
+        num_blocks = _num_blocks(config, model, dtype, device, free_before_load)
         _check_cache_holds_one_request(config, num_blocks)
         self.config = config
         self.model_path = path
@@ -48,11 +50,14 @@ class EngineCore:
         self.runner = ModelRunner(
             model, config.block_size, num_blocks, config.max_num_seqs, config.model_len,
             config.max_num_batched_tokens, dtype, device, _eos_token_id(hf_config), config.seed)
+        if device.type == "cuda" and not config.enforce_eager:
+            self.runner.capture_decode_graphs(config.max_num_seqs)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
-        logger.info("engine core ready: %s, %d KV blocks of %d tokens, max_model_len %d",
-                    path, num_blocks - 1, config.block_size, config.model_len)
+        logger.info("engine core ready: %s on %s (%s attention), %d KV blocks of %d tokens, "
+                    "max_model_len %d", path, device, backend.name, num_blocks - 1,
+                    config.block_size, config.model_len)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request; raises ValueError naming the field when it cannot be served."""
@@ -106,6 +111,25 @@ class EngineCore:
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1 in the engine core; the front end "
                              "fans out n > 1")
+
+
+def _num_blocks(config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device,
+                free_before_load: int | None) -> int:
+    """KV blocks for this engine; on CUDA without an explicit size, profiled (vLLM's rule)."""
+    from engine.kv_cache_sizing import num_kv_blocks
+
+    available = None
+    if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_gib is None:
+        from engine.gpu_profile import run_profile_step
+        from engine.kv_cache_sizing import profile_gpu_memory
+
+        assert free_before_load is not None
+        profile = profile_gpu_memory(device, free_before_load,
+                                     lambda: run_profile_step(model, config, dtype, device))
+        available = profile.kv_budget(config.gpu_memory_utilization)
+        logger.info("GPU memory: %s -> %.2f GiB for the KV cache", profile, available / 2**30)
+    return num_kv_blocks(config, model.num_layers, model.num_kv_heads, model.head_dim, dtype,
+                         available_bytes=available)
 
 
 def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int) -> None:

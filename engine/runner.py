@@ -23,6 +23,7 @@ from engine.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
+from engine.cuda_graphs import DecodeGraphs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
@@ -122,6 +123,16 @@ class ModelRunner:
         self._table_buf = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
         # host buffers are rewritten only after the last step's async copies left them
         self._copies_done: torch.cuda.Event | None = None
+        self.decode_graphs: DecodeGraphs | None = None
+
+    def capture_decode_graphs(self, max_num_seqs: int) -> None:
+        """CUDA only: capture pure decode steps of up to `max_num_seqs` requests as graphs."""
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, self.max_model_len,
+                              self.block_size, self.device)
+        graphs.capture()
+        self.decode_graphs = graphs
 
     # --- state ------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -169,8 +180,13 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], [], [])
         batch = self._prepare_batch(scheduler_output.num_scheduled_tokens)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                            batch.metadata)  # [num_tokens, hidden]
+        graphs = self.decode_graphs
+        if (graphs is not None and batch.metadata.is_pure_decode
+                and graphs.can_run(batch.metadata.num_reqs)):
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.metadata)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
+                                batch.metadata)  # [num_tokens, hidden]
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[LogprobsEntry | None] = [None] * len(batch.req_ids)
         if batch.sample_req_idx:

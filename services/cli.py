@@ -28,7 +28,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu")
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--block-size", type=int, default=16)
-    group.add_argument("--kv-cache-gib", type=float, default=1.0)
+    group.add_argument("--kv-cache-gib", type=float, default=None,
+                       help="KV cache size (default: 1 GiB on CPU, gpu-memory-utilization on CUDA)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument("--log-level", default="WARNING")
@@ -38,6 +41,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enforce_eager=args.enforce_eager,
                 num_threads=args.num_threads)
 
 

@@ -6,6 +6,17 @@ import os
 
 import pytest
 
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors. The variable is read
+# when a kernel is defined, so it is set here, before any test module imports kernels.
+if os.environ.get("TRITON_INTERPRET") is None:
+    try:
+        import torch as _torch
+
+        if not _torch.cuda.is_available():
+            os.environ["TRITON_INTERPRET"] = "1"
+    except ImportError:
+        pass
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="also run tests marked slow")

