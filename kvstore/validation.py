@@ -1,0 +1,38 @@
+"""Checks the server applies to objects before storing them: LMCache key strings, and LMCache
+`RemoteMetadata` headers whose payload length matches the bytes that came with them."""
+
+from __future__ import annotations
+
+from kvstore.backend import InvalidRequestError
+
+MAX_KEY_LENGTH = 4096
+
+
+def check_key(key: str) -> None:
+    """Raises InvalidRequestError unless `key` is a CacheEngineKey or LayerCacheEngineKey string."""
+    from kvstore.lmcache_format import CacheEngineKey, LayerCacheEngineKey
+
+    if not key or len(key) > MAX_KEY_LENGTH:
+        raise InvalidRequestError(f"key must be 1..{MAX_KEY_LENGTH} characters, got {len(key)}")
+    errors = []
+    for parser in (CacheEngineKey.from_string, LayerCacheEngineKey.from_string):
+        try:
+            parser(key)
+            return
+        except ValueError as exc:
+            errors.append(str(exc))
+    raise InvalidRequestError(f"malformed key {key[:200]!r}: not an LMCache CacheEngineKey "
+                              f"(model@world_size@worker_id@hash@dtype[@layer]): {errors[0]}")
+
+
+def check_metadata(key: str, metadata: bytes, payload_size: int) -> None:
+    """Raises InvalidRequestError unless `metadata` is a RemoteMetadata of `payload_size` bytes."""
+    from kvstore.lmcache_format import RemoteMetadata
+
+    try:
+        meta = RemoteMetadata.unpack(metadata)
+    except ValueError as exc:
+        raise InvalidRequestError(f"put {key[:200]!r}: bad metadata: {exc}") from exc
+    if meta.length != payload_size:
+        raise InvalidRequestError(f"put {key[:200]!r}: metadata says {meta.length} payload bytes, "
+                                  f"{payload_size} arrived")
