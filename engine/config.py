@@ -42,6 +42,13 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    # KV connector (disaggregated prefill/decode and cross-instance reuse through the KV store)
+    kv_connector: Literal["kvstore"] | None = None
+    kv_role: Literal["kv_producer", "kv_consumer", "kv_both"] = "kv_both"
+    kv_store_url: str = "grpc://127.0.0.1:50071"
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    kv_chunk_size: int = 256
+    kv_lease_s: float = 60.0
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
@@ -59,6 +66,15 @@ class EngineConfig:
                f"must be a power of two in [1, 128], got {self.block_size}")
         if self.kv_cache_gib is not None:
             _check(self.kv_cache_gib > 0, "kv_cache_gib", f"must be positive, got {self.kv_cache_gib}")
+        _check(self.kv_connector in (None, "kvstore"), "kv_connector",
+               f"must be None or 'kvstore', got {self.kv_connector!r}")
+        _check(self.kv_role in ("kv_producer", "kv_consumer", "kv_both"), "kv_role",
+               f"must be kv_producer, kv_consumer or kv_both, got {self.kv_role!r}")
+        _check(self.kv_load_failure_policy in ("recompute", "fail"), "kv_load_failure_policy",
+               f"must be 'recompute' or 'fail', got {self.kv_load_failure_policy!r}")
+        _check(self.kv_chunk_size >= 1 and self.kv_chunk_size % self.block_size == 0,
+               "kv_chunk_size", f"must be a positive multiple of block_size, got {self.kv_chunk_size}")
+        _check(self.kv_lease_s > 0, "kv_lease_s", f"must be positive, got {self.kv_lease_s}")
         _check(self.attention_backend in _BACKENDS, "attention_backend",
                f"must be one of {_BACKENDS}, got {self.attention_backend!r}")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization",

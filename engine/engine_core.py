@@ -7,6 +7,7 @@ its own behind ZMQ (engine/core_proc.py).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -55,6 +56,13 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        if config.kv_connector is not None:
+            from engine.connector.factory import make_kvstore_connector
+
+            sched_half, worker_half = make_kvstore_connector(
+                config, model.num_layers, self.scheduler, self.kv_cache_manager)
+            self.scheduler.connector = sched_half
+            self.runner.set_connector(worker_half)
         logger.info("engine core ready: %s on %s (%s attention), %d KV blocks of %d tokens, "
                     "max_model_len %d", path, device, backend.name, num_blocks - 1,
                     config.block_size, config.model_len)
@@ -73,7 +81,10 @@ class EngineCore:
             return EngineCoreOutputs()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not scheduler_output.num_scheduled_tokens and not outputs.outputs:
+            time.sleep(0.001)  # only KV loads in flight: do not spin
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -97,6 +108,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
+        if self.runner.connector is not None:
+            self.runner.connector.shutdown()
 
     def _validate(self, request: EngineCoreRequest) -> None:
         n = len(request.prompt_token_ids)

@@ -118,6 +118,7 @@ class _RequestState:
     collector: RequestOutputCollector | None
     metrics: RequestMetrics
     num_cached_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -135,7 +136,8 @@ class _RequestState:
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.to_completion(delta) for s in samples], finished=finished,
-            metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
+            metrics=self.metrics, num_cached_tokens=self.num_cached_tokens,
+            kv_transfer_params=self.kv_transfer_params)
 
 
 class OutputProcessor:
@@ -268,6 +270,8 @@ class OutputProcessor:
         if out.times is not None:
             state.metrics = RequestMetrics.from_times(out.times)
             state.num_cached_tokens = out.times.num_cached_tokens
+        if out.kv_transfer_params is not None:
+            state.kv_transfer_params = out.kv_transfer_params
         if not state.metrics.finished_time:
             state.metrics.finished_time = now
 

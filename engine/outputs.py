@@ -6,6 +6,7 @@ Built by the output processor from the engine core's token-level `EngineCoreOutp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.core.outputs import RequestTimes
 
@@ -90,3 +91,4 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # from a KV connector, on the final output

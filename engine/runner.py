@@ -10,8 +10,9 @@ tokens; a partial (chunked) prefill samples nothing.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -27,6 +28,9 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.connector.base import KVConnectorWorker
 
 
 class CausalLM(Protocol):
@@ -47,6 +51,8 @@ class CausalLM(Protocol):
         positions: torch.Tensor,  # [num_tokens] int64
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        before_layer: Callable[[int], None] | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor: ...  # [num_tokens, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, vocab] float32
@@ -124,6 +130,12 @@ class ModelRunner:
         # host buffers are rewritten only after the last step's async copies left them
         self._copies_done: torch.cuda.Event | None = None
         self.decode_graphs: DecodeGraphs | None = None
+        self.connector: KVConnectorWorker | None = None
+
+    def set_connector(self, connector: KVConnectorWorker) -> None:
+        """The worker half of a KV connector; it sees the KV caches and every step."""
+        connector.register_kv_caches(self.kv_caches)
+        self.connector = connector
 
     def capture_decode_graphs(self, max_num_seqs: int) -> None:
         """CUDA only: capture pure decode steps of up to `max_num_seqs` requests as graphs."""
@@ -177,13 +189,37 @@ class ModelRunner:
         """Runs one step: updates request state, runs the model on the scheduled tokens, and
         samples one token for each request whose scheduled tokens reach its last token."""
         self._update_states(scheduler_output)
+        connector = self.connector
+        if connector is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+            connector.start_load_kv()
+        try:
+            out = self._execute(scheduler_output)
+        finally:
+            if connector is not None:
+                connector.wait_for_save()
+                out_kv = connector.get_finished(scheduler_output.finished_req_ids)
+                connector.clear_connector_metadata()
+        if connector is not None:
+            out.kv_connector_output = out_kv
+        return out
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], [], [])
         batch = self._prepare_batch(scheduler_output.num_scheduled_tokens)
         graphs = self.decode_graphs
-        if (graphs is not None and batch.metadata.is_pure_decode
+        connector = self.connector
+        saving = connector is not None and bool(getattr(scheduler_output.kv_connector_metadata,
+                                                        "saves", None))
+        if (graphs is not None and batch.metadata.is_pure_decode and not saving
                 and graphs.can_run(batch.metadata.num_reqs)):
             hidden = graphs.run(batch.input_ids, batch.positions, batch.metadata)
+        elif connector is not None:
+            caches = self.kv_caches
+            hidden = self.model(batch.input_ids, batch.positions, caches, batch.metadata,
+                                before_layer=connector.wait_for_layer_load,
+                                after_layer=lambda i: connector.save_kv_layer(i, caches[i]))
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
                                 batch.metadata)  # [num_tokens, hidden]

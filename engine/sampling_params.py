@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -46,6 +47,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # As vLLM: {"do_remote_decode": True} on a prefill request; the prefill's returned
+    # kv_transfer_params (with "do_remote_prefill": True) on the decode request.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

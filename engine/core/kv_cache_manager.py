@@ -87,10 +87,13 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        cache: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Blocks for `num_new_tokens` more tokens after the computed ones; None if they do not
         fit (nothing is changed then). `new_computed_blocks` are prefix-cache hits covering
-        `num_new_computed_tokens` tokens, taken over by the request."""
+        `num_new_computed_tokens` tokens, taken over by the request. `cache=False` leaves the
+        new blocks out of the prefix cache (KV still arriving from a connector); `cache_blocks`
+        records them once their content is there."""
         computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -106,9 +109,14 @@ class KVCacheManager:
         req_blocks.extend(computed_blocks)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
+        if self.enable_caching and cache:
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Records the request's full blocks covering its first `num_tokens` tokens."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks; the last ones become the first to be evicted."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sampling_params import SamplingParams
 
@@ -68,6 +69,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     times: RequestTimes | None = None  # set on the final output
+    kv_transfer_params: dict[str, Any] | None = None  # set on the final output by a connector
 
     @property
     def finished(self) -> bool:
@@ -122,6 +124,7 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]  # same order as req_ids
     logprobs: list[LogprobsEntry | None] = field(default_factory=list)  # same order, or empty
+    kv_connector_output: Any = None  # engine.connector.base.KVConnectorOutput, or None
 
 
 @dataclass

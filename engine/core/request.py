@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from engine.core.outputs import EngineCoreRequest, FinishReason, RequestTimes
 from engine.sampling_params import SamplingParams
@@ -63,6 +64,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.times = RequestTimes(arrival_time=arrival_time)
         self.max_tokens = sampling_params.max_tokens
+        self.kv_transfer_params: dict[str, Any] | None = None  # set by a connector at the end
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -26,9 +27,13 @@ from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_queue
 from engine.core.stop_check import check_stop
 
+if TYPE_CHECKING:
+    from engine.connector.base import KVConnectorOutput, KVConnectorScheduler
+
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.max_model_len = config.model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -40,6 +45,14 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_for_runner: set[str] = set()
         self._known_by_runner: set[str] = set()
+        self.connector = connector
+        self.load_failure_policy = config.kv_load_failure_policy
+        # Requests whose KV is arriving from the connector (they hold their blocks), and
+        # aborted ones whose blocks wait for their load to stop before they are freed.
+        self.waiting_for_kv: dict[str, Request] = {}
+        self._aborted_loading: dict[str, Request] = {}
+        self._kv_loaded: set[str] = set()
+        self._failed_outputs: list[EngineCoreOutput] = []
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -57,6 +70,12 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                del self.waiting_for_kv[req_id]
+                request.status = status
+                self._aborted_loading[req_id] = request  # blocks freed once the load stops
+                ended.append(request)
+                continue
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -65,7 +84,8 @@ class Scheduler:
         return ended
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return (bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kv)
+                or bool(self._aborted_loading))
 
     @property
     def num_waiting(self) -> int:
@@ -88,6 +108,8 @@ class Scheduler:
         if not preempted:
             self._schedule_waiting(budget, num_scheduled, new_blocks, resumed, now)
         out = self._build_output(num_scheduled, new_blocks, resumed, preempted)
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         for req_id, n in num_scheduled.items():
             self.requests[req_id].num_computed_tokens += n
         return out
@@ -142,9 +164,40 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_blocks: dict[str, list[int]], resumed: set[str], now: float) -> None:
-        while len(self.waiting) > 0 and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (len(self.waiting) > 0 and budget > 0
+               and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
             request = self.waiting.peek()
+            if request.request_id in self._kv_loaded:  # its blocks and loaded KV are in place
+                n = self._num_new_tokens(request, budget)
+                if self.kv.allocate_slots(request, n) is None:
+                    break
+                self._kv_loaded.discard(request.request_id)
+                self.waiting.pop()
+                request.times.first_scheduled_time = request.times.first_scheduled_time or now
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                num_scheduled[request.request_id] = n
+                new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
+                budget -= n
+                continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if self.connector is not None and request.status == RequestStatus.WAITING:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_hit_tokens)
+                if num_external is None:
+                    break
+                if load_async and num_external > 0:
+                    if self.kv.allocate_slots(request, num_external, num_hit_tokens, hits,
+                                              cache=False) is None:
+                        break
+                    self.waiting.pop()
+                    request.num_computed_tokens = num_hit_tokens
+                    request.times.num_cached_tokens = num_hit_tokens
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    self.waiting_for_kv[request.request_id] = request
+                    self.connector.update_state_after_alloc(
+                        request, self.kv.get_block_ids(request.request_id), num_external)
+                    continue
             n = self._num_new_tokens_after_hits(request, num_hit_tokens, budget)
             blocks = self.kv.allocate_slots(request, n, num_hit_tokens, hits)
             if blocks is None:
@@ -192,10 +245,46 @@ class Scheduler:
         )
 
     # --- results of a step ---------------------------------------------------------------
+    def update_connector_output(self, output: KVConnectorOutput | None) -> None:
+        """Requests whose KV finished arriving go back to the waiting queue's head (or fail)."""
+        if output is None or self.connector is None:
+            return
+        self.connector.update_connector_output(output)
+        for req_id in output.finished_recving:
+            aborted = self._aborted_loading.pop(req_id, None)
+            if aborted is not None:
+                self._free(aborted)
+                continue
+            request = self.waiting_for_kv.pop(req_id, None)
+            if request is None:
+                continue
+            error = output.load_errors.get(req_id)
+            if error is not None and self.load_failure_policy == "fail":
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.stop_reason = f"kv_load_failed: {error}"
+                request.times.finished_time = time.time()
+                self._free(request)
+                self._failed_outputs.append(EngineCoreOutput(
+                    req_id, [], finish_reason=request.status.finish_reason,
+                    stop_reason=request.stop_reason, times=request.times))
+                continue
+            loaded_end = request.num_tokens - 1
+            blocks = self.kv.get_block_ids(req_id)
+            loaded_end = min(loaded_end, len(blocks) * self.kv.block_size)
+            if req_id in output.valid_loaded_tokens:
+                loaded_end = min(loaded_end, output.valid_loaded_tokens[req_id])
+            request.num_computed_tokens = max(request.num_computed_tokens, loaded_end)
+            request.times.num_cached_tokens = request.num_computed_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+            self._kv_loaded.add(req_id)
+            self.waiting.prepend(request)
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         now = time.time()
-        outputs = []
+        self.update_connector_output(runner_output.kv_connector_output)
+        outputs, self._failed_outputs = self._failed_outputs, []
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
         for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                          logprobs, strict=False):
@@ -213,10 +302,15 @@ class Scheduler:
                 out.finish_reason = request.status.finish_reason
                 out.stop_reason = request.stop_reason
                 out.times = request.times
+                out.kv_transfer_params = request.kv_transfer_params
             outputs.append(out)
         return EngineCoreOutputs(outputs=outputs, timestamp=now)
 
     def _free(self, request: Request) -> None:
+        if self.connector is not None:
+            _, request.kv_transfer_params = self.connector.request_finished(
+                request, self.kv.get_block_ids(request.request_id))
+        self._kv_loaded.discard(request.request_id)
         self.kv.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._known_by_runner:

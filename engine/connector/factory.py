@@ -1,0 +1,31 @@
+"""Builds the KV store connector's two halves for an engine core."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.config import EngineConfig
+from engine.connector.kvstore_scheduler import KVStoreConnectorScheduler
+from engine.connector.kvstore_worker import KVStoreConnectorWorker
+
+if TYPE_CHECKING:
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.core.scheduler import Scheduler
+
+
+def make_kvstore_connector(config: EngineConfig, num_layers: int, scheduler: Scheduler,
+                           kv: KVCacheManager
+                           ) -> tuple[KVStoreConnectorScheduler, KVStoreConnectorWorker]:
+    from pathlib import Path
+
+    from kvstore.client import KVStoreClient
+
+    def client() -> KVStoreClient:
+        return KVStoreClient(config.kv_store_url, timeout_s=30)
+
+    model_name = Path(config.model).name if Path(config.model).exists() else config.model
+    sched = KVStoreConnectorScheduler(
+        config.kv_role, client(), model_name, config.dtype, num_layers, config.kv_chunk_size,
+        config.kv_lease_s, config.kv_store_url, scheduler.requests.get, kv.get_block_ids)
+    worker = KVStoreConnectorWorker(client, config.kv_chunk_size)
+    return sched, worker

@@ -1,0 +1,32 @@
+"""Plain messages of the KV store connector: what to load and save in one step (no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LoadSpec:
+    """Fill token positions [start, end) of a request from the store's chunk objects."""
+
+    req_id: str
+    chunk_keys: list[str]  # CacheEngineKey strings, one per chunk (the layer is appended)
+    start: int
+    end: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SaveSpec:
+    """Save chunks of a request's prompt: (chunk index, first token, end token) each."""
+
+    req_id: str
+    chunk_keys: list[str]
+    chunks: list[tuple[int, int, int]]
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata:
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,184 @@
+"""Worker half of the KV store connector: moves KV between the paged cache and the store.
+
+Saves: after each layer's forward, the new prompt chunks of that layer are copied out of the
+paged cache (one small gather) and queued for a background sender, so sending overlaps the
+next layers' compute; `wait_for_save` at the end of the step waits for that step's objects.
+Objects are LMCache KV_T2D tensors `[tokens, 2, kv_heads * head_dim]` under
+`LayerCacheEngineKey` strings with `RemoteMetadata` headers.
+Loads: a background loader fetches a request's chunks layer by layer and writes them into the
+request's blocks while other requests keep running (the request waits in
+WAITING_FOR_REMOTE_KVS); a missing, short or mismatched object truncates what counts as loaded
+to the tokens before it, which the scheduler then recomputes (or fails, by policy).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from engine.connector.base import KVConnectorOutput, KVConnectorWorker
+from engine.connector.kvstore_meta import KVStoreConnectorMetadata, LoadSpec
+
+logger = logging.getLogger(__name__)
+
+
+def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(start, end)
+    blocks = torch.tensor(block_ids, dtype=torch.long)[pos // block_size]
+    return blocks, pos % block_size
+
+
+def gather_tokens(kv_cache: torch.Tensor, block_ids: list[int], start: int, end: int) -> torch.Tensor:
+    """KV of positions [start, end) as a new KV_T2D tensor [n, 2, kv_heads * head_dim] (CPU)."""
+    blocks, offs = _slots(block_ids, start, end, kv_cache.shape[2])
+    data = kv_cache[blocks.to(kv_cache.device), :, offs.to(kv_cache.device)]  # [n, 2, kvh, d]
+    return data.reshape(end - start, 2, -1).to("cpu", copy=True).contiguous()
+
+
+def scatter_tokens(kv_cache: torch.Tensor, block_ids: list[int], start: int,
+                   data: torch.Tensor) -> None:
+    """Writes KV_T2D `data` [n, 2, kv_heads * head_dim] at positions [start, start + n)."""
+    n = data.shape[0]
+    blocks, offs = _slots(block_ids, start, start + n, kv_cache.shape[2])
+    shaped = data.reshape(n, 2, kv_cache.shape[3], kv_cache.shape[4])
+    kv_cache[blocks.to(kv_cache.device), :, offs.to(kv_cache.device)] = shaped.to(kv_cache.device)
+
+
+class KVStoreConnectorWorker(KVConnectorWorker):
+    def __init__(self, make_client: Callable[[], Any], chunk_size: int) -> None:
+        self.chunk_size = chunk_size
+        self._send_client = make_client()
+        self._load_client = make_client()
+        self.kv_caches: list[torch.Tensor] = []
+        self._meta = KVStoreConnectorMetadata()
+        self._queue: queue.Queue[list[tuple[str, bytes, Any]] | None] = queue.Queue(maxsize=64)
+        self._unsent = 0
+        self._sent = threading.Condition()
+        self.send_errors = 0
+        self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
+        self._sender.start()
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-loader")
+        self._loads: dict[str, tuple[LoadSpec, Future[tuple[int, str | None]]]] = {}
+
+    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+        self.kv_caches = list(kv_caches)
+
+    def bind_connector_metadata(self, metadata: Any) -> None:
+        self._meta = metadata if metadata is not None else KVStoreConnectorMetadata()
+
+    def clear_connector_metadata(self) -> None:
+        self._meta = KVStoreConnectorMetadata()
+
+    # --- saves ----------------------------------------------------------------------------
+    def save_kv_layer(self, layer: int, kv_cache: Any) -> None:
+        if not self._meta.saves:
+            return
+        from kvstore.lmcache_format import MemoryFormat, RemoteMetadata
+
+        items = []
+        for spec in self._meta.saves:
+            for chunk, start, end in spec.chunks:
+                data = gather_tokens(kv_cache, spec.block_ids, start, end)
+                meta = RemoteMetadata.single(tuple(data.shape), data.dtype, MemoryFormat.KV_T2D).pack()
+                items.append((f"{spec.chunk_keys[chunk]}@{layer}", meta, data.view(torch.uint8).numpy()))
+        with self._sent:
+            self._unsent += 1
+        self._queue.put(items)
+
+    def _send_loop(self) -> None:
+        while True:
+            items = self._queue.get()
+            if items is None:
+                return
+            try:
+                self._send_client.put(items)
+            except Exception as exc:
+                self.send_errors += 1
+                logger.warning("saving %d KV objects failed: %s", len(items), exc)
+            with self._sent:
+                self._unsent -= 1
+                self._sent.notify_all()
+
+    def wait_for_save(self) -> None:
+        with self._sent:
+            self._sent.wait_for(lambda: self._unsent == 0)
+
+    # --- loads ----------------------------------------------------------------------------
+    def start_load_kv(self) -> None:
+        for spec in self._meta.loads:
+            self._loads[spec.req_id] = (spec, self._loader.submit(self._load, spec))
+
+    def wait_for_layer_load(self, layer: int) -> None:
+        """Loads run ahead of scheduling (the request waits in WAITING_FOR_REMOTE_KVS), so a
+        forward pass never waits for one."""
+
+    def _load(self, spec: LoadSpec) -> tuple[int, str | None]:
+        """Loads layer by layer; returns (tokens valid from the start, first error or None)."""
+        try:
+            return self._load_layers(spec)
+        except Exception as exc:
+            return spec.start, f"loading from the KV store failed: {exc}"
+
+    def _load_layers(self, spec: LoadSpec) -> tuple[int, str | None]:
+        from kvstore.lmcache_format import RemoteMetadata, buffer_to_tensor
+
+        cs = self.chunk_size
+        chunks = list(range(spec.start // cs, (spec.end - 1) // cs + 1))
+        valid, error = spec.end, None
+        for layer, kv in enumerate(self.kv_caches):
+            width = kv.shape[3] * kv.shape[4]
+            objs = self._load_client.get([f"{spec.chunk_keys[c]}@{layer}" for c in chunks])
+            for c, obj in zip(chunks, objs, strict=True):
+                lo, hi = max(spec.start, c * cs), min(spec.end, (c + 1) * cs)
+                if hi <= lo or lo >= valid:
+                    continue
+                problem = None
+                if obj is None:
+                    problem = "missing"
+                else:
+                    try:
+                        meta = RemoteMetadata.unpack(obj.metadata)
+                        shape = meta.shapes[0]
+                        n = shape[0]
+                        if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width)
+                                or meta.dtypes[0] != str(kv.dtype).removeprefix("torch.")
+                                or c * cs + n < hi):
+                            problem = f"does not match ({meta.length} bytes, shape {shape})"
+                    except ValueError as exc:
+                        problem = f"has bad metadata: {exc}"
+                if problem is not None:
+                    valid = min(valid, lo)
+                    error = error or f"KV object of chunk {c} layer {layer} {problem}"
+                    continue
+                assert obj is not None
+                data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
+                scatter_tokens(kv, spec.block_ids, lo, data[lo - c * cs: hi - c * cs])
+        return max(valid, spec.start), error
+
+    def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
+        out = KVConnectorOutput()
+        for req_id, (spec, fut) in list(self._loads.items()):
+            if not fut.done():
+                continue
+            del self._loads[req_id]
+            valid, error = fut.result()
+            out.finished_recving.add(req_id)
+            if valid < spec.end or error is not None:
+                out.valid_loaded_tokens[req_id] = valid
+                out.load_errors[req_id] = error or "incomplete load"
+        return out
+
+    @property
+    def has_pending_loads(self) -> bool:
+        return bool(self._loads)
+
+    def shutdown(self) -> None:
+        self._queue.put(None)
+        self._sender.join(timeout=10)
+        self._loader.shutdown(wait=True)
