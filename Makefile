@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup system-deps peers run demo test test-all lint typecheck bench bench-prefix bench-kvstore clean
+.PHONY: setup system-deps peers run demo test test-all lint typecheck bench bench-prefix bench-kvstore bench-connector clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -54,6 +54,10 @@ bench-prefix: setup
 
 bench-kvstore: setup
 	$(BIN)/python benchmarks/bench_kvstore.py
+
+bench-connector: setup
+	$(BIN)/python benchmarks/bench_connector.py
+	$(BIN)/python benchmarks/bench_kv_reuse.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -62,6 +62,11 @@ def resolve_model_folder(model: str) -> Path:
     return Path(resolve_model_path(model))
 
 
+def vocab_size(folder: Path) -> int:
+    """The vocabulary size in a Hugging Face folder's config.json."""
+    return int(json.loads((folder / "config.json").read_text())["vocab_size"])
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a Llama-family model that its FLOP count depends on."""

@@ -49,6 +49,7 @@ class EngineConfig:
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     kv_chunk_size: int = 256
     kv_lease_s: float = 60.0
+    kv_stream_layers: bool = True  # False: send a step's KV after its last layer (for comparison)
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

@@ -27,5 +27,5 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int, scheduler: Sch
     sched = KVStoreConnectorScheduler(
         config.kv_role, client(), model_name, config.dtype, num_layers, config.kv_chunk_size,
         config.kv_lease_s, config.kv_store_url, scheduler.requests.get, kv.get_block_ids)
-    worker = KVStoreConnectorWorker(client, config.kv_chunk_size)
+    worker = KVStoreConnectorWorker(client, config.kv_chunk_size, config.kv_stream_layers)
     return sched, worker

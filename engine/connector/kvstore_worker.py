@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,9 +52,24 @@ def scatter_tokens(kv_cache: torch.Tensor, block_ids: list[int], start: int,
     kv_cache[blocks.to(kv_cache.device), :, offs.to(kv_cache.device)] = shaped.to(kv_cache.device)
 
 
+@dataclass
+class WorkerTimings:
+    """Seconds spent, for benchmarks: waits for saves at the end of steps (the save tail) and
+    each request's load."""
+
+    save_waits: list[float] = field(default_factory=list)
+    loads: dict[str, float] = field(default_factory=dict)
+
+
 class KVStoreConnectorWorker(KVConnectorWorker):
-    def __init__(self, make_client: Callable[[], Any], chunk_size: int) -> None:
+    def __init__(self, make_client: Callable[[], Any], chunk_size: int,
+                 stream_layers: bool = True) -> None:
         self.chunk_size = chunk_size
+        # False: hold a step's objects and send them all after the last layer (whole-request
+        # transfer, for comparison); True: send each layer while the next ones compute.
+        self.stream_layers = stream_layers
+        self._held: list[tuple[str, bytes, Any]] = []
+        self.timings = WorkerTimings()
         self._send_client = make_client()
         self._load_client = make_client()
         self.kv_caches: list[torch.Tensor] = []
@@ -87,6 +104,12 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                 data = gather_tokens(kv_cache, spec.block_ids, start, end)
                 meta = RemoteMetadata.single(tuple(data.shape), data.dtype, MemoryFormat.KV_T2D).pack()
                 items.append((f"{spec.chunk_keys[chunk]}@{layer}", meta, data.view(torch.uint8).numpy()))
+        if not self.stream_layers:
+            self._held.extend(items)
+            return
+        self._enqueue(items)
+
+    def _enqueue(self, items: list[tuple[str, bytes, Any]]) -> None:
         with self._sent:
             self._unsent += 1
         self._queue.put(items)
@@ -106,8 +129,15 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                 self._sent.notify_all()
 
     def wait_for_save(self) -> None:
+        start = time.perf_counter()
+        if self._held:
+            held, self._held = self._held, []
+            self._enqueue(held)
         with self._sent:
+            busy = self._unsent > 0
             self._sent.wait_for(lambda: self._unsent == 0)
+        if busy:
+            self.timings.save_waits.append(time.perf_counter() - start)
 
     # --- loads ----------------------------------------------------------------------------
     def start_load_kv(self) -> None:
@@ -120,10 +150,13 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
     def _load(self, spec: LoadSpec) -> tuple[int, str | None]:
         """Loads layer by layer; returns (tokens valid from the start, first error or None)."""
+        start = time.perf_counter()
         try:
             return self._load_layers(spec)
-        except Exception as exc:
+        except Exception as exc:  # store unreachable etc.: nothing loaded
             return spec.start, f"loading from the KV store failed: {exc}"
+        finally:
+            self.timings.loads[spec.req_id] = time.perf_counter() - start
 
     def _load_layers(self, spec: LoadSpec) -> tuple[int, str | None]:
         from kvstore.lmcache_format import RemoteMetadata, buffer_to_tensor

@@ -98,3 +98,31 @@ def test_check_memory_fails_when_the_engine_exceeds_the_budget(
     assert "OVER BUDGET" in out
     peak_gib = float(out.strip().splitlines()[-1].strip("|").split("|")[0])
     assert peak_gib > 0.05  # a Python process with torch loaded
+
+
+def test_bench_connector_prints_both_transfer_modes(tiny_model: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_connector
+
+    argv = ["--model", str(tiny_model), "--lengths", "40", "--repeats", "1", "--threads", "1"]
+    assert bench_connector.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "per-layer streaming" in out and "whole request" in out
+
+
+def test_bench_kv_reuse_loads_the_prefix(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_kv_reuse
+
+    argv = ["--model", str(tiny_model), "--prefix", "64", "--suffix", "8", "--repeats", "1",
+            "--threads", "1", "--chunk-size", "32"]
+    assert bench_kv_reuse.main(argv) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| B:"))
+    assert "| 64 " in row  # the whole 64-token prefix was loaded, not computed
+
+
+def test_bench_kvstore_runs_every_system(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_kvstore
+
+    assert bench_kvstore.main(["--repeats", "1", "--latency-samples", "3", "--sizes-mb", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "redis-py SET/GET" in out and "plain gRPC bytes" in out and "put 1 MB" in out
