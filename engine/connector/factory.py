@@ -26,6 +26,7 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int, scheduler: Sch
     model_name = Path(config.model).name if Path(config.model).exists() else config.model
     sched = KVStoreConnectorScheduler(
         config.kv_role, client(), model_name, config.dtype, num_layers, config.kv_chunk_size,
-        config.kv_lease_s, config.kv_store_url, scheduler.requests.get, kv.get_block_ids)
+        config.kv_lease_s, config.kv_store_url, scheduler.requests.get, kv.get_block_ids,
+        layerwise=config.kv_load_mode == "layerwise")
     worker = KVStoreConnectorWorker(client, config.kv_chunk_size, config.kv_stream_layers)
     return sched, worker

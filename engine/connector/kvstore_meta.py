@@ -14,6 +14,7 @@ class LoadSpec:
     start: int
     end: int
     block_ids: list[int] = field(default_factory=list)
+    layerwise: bool = False  # loaded inside the step that computes the rest (forward waits per layer)
 
 
 @dataclass

@@ -29,7 +29,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
     def __init__(self, role: str, client: Any, model_name: str, dtype: str, num_layers: int,
                  chunk_size: int, lease_s: float, store_url: str,
                  get_request: Callable[[str], Request | None],
-                 get_block_ids: Callable[[str], list[int]]) -> None:
+                 get_block_ids: Callable[[str], list[int]], layerwise: bool = False) -> None:
         self.role = role
         self.client = client
         self.model_name = model_name
@@ -40,6 +40,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         self.store_url = store_url
         self._get_request = get_request
         self._get_block_ids = get_block_ids
+        self.layerwise = layerwise
         self._pending_load: dict[str, LoadSpec] = {}
         self._loads_to_start: list[LoadSpec] = []
         self._loading: dict[str, LoadSpec] = {}
@@ -90,8 +91,9 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         if end <= num_computed_tokens:
             return 0, False
         self._pending_load[request.request_id] = LoadSpec(request.request_id, keys,
-                                                          num_computed_tokens, end)
-        return end - num_computed_tokens, True
+                                                          num_computed_tokens, end,
+                                                          layerwise=self.layerwise)
+        return end - num_computed_tokens, not self.layerwise
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:

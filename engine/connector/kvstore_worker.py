@@ -53,6 +53,12 @@ def scatter_tokens(kv_cache: torch.Tensor, block_ids: list[int], start: int,
 
 
 @dataclass
+class _LoadState:
+    valid: int  # tokens from the start still valid (lowered by a bad object)
+    error: str | None = None
+
+
+@dataclass
 class WorkerTimings:
     """Seconds spent, for benchmarks: waits for saves at the end of steps (the save tail) and
     each request's load."""
@@ -81,7 +87,11 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
         self._sender.start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-loader")
+        self._layer_loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
+        self._layer_client = make_client()
         self._loads: dict[str, tuple[LoadSpec, Future[tuple[int, str | None]]]] = {}
+        self._layer_events: list[threading.Event] = []
+        self._layerwise: list[tuple[LoadSpec, _LoadState]] = []
 
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
         self.kv_caches = list(kv_caches)
@@ -141,12 +151,18 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
     # --- loads ----------------------------------------------------------------------------
     def start_load_kv(self) -> None:
+        layerwise = [spec for spec in self._meta.loads if spec.layerwise]
         for spec in self._meta.loads:
-            self._loads[spec.req_id] = (spec, self._loader.submit(self._load, spec))
+            if not spec.layerwise:
+                self._loads[spec.req_id] = (spec, self._loader.submit(self._load, spec))
+        if layerwise:
+            self._start_layerwise(layerwise)
 
     def wait_for_layer_load(self, layer: int) -> None:
-        """Loads run ahead of scheduling (the request waits in WAITING_FOR_REMOTE_KVS), so a
-        forward pass never waits for one."""
+        """Async loads run ahead of scheduling (the request waits in WAITING_FOR_REMOTE_KVS);
+        layer-wise loads of this step make the forward wait here for layer `layer` only."""
+        if self._layer_events:
+            self._layer_events[layer].wait()
 
     def _load(self, spec: LoadSpec) -> tuple[int, str | None]:
         """Loads layer by layer; returns (tokens valid from the start, first error or None)."""
@@ -159,43 +175,83 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             self.timings.loads[spec.req_id] = time.perf_counter() - start
 
     def _load_layers(self, spec: LoadSpec) -> tuple[int, str | None]:
+        state = _LoadState(spec.end)
+        for layer in range(len(self.kv_caches)):
+            self._load_layer(spec, layer, state)
+        return max(state.valid, spec.start), state.error
+
+    def _load_layer(self, spec: LoadSpec, layer: int, state: _LoadState,
+                    client: Any = None) -> None:
+        """Writes one layer of the spec's chunks; a missing or mismatched object lowers
+        `state.valid` to the tokens before it."""
         from kvstore.lmcache_format import RemoteMetadata, buffer_to_tensor
 
         cs = self.chunk_size
+        kv = self.kv_caches[layer]
         chunks = list(range(spec.start // cs, (spec.end - 1) // cs + 1))
-        valid, error = spec.end, None
-        for layer, kv in enumerate(self.kv_caches):
-            width = kv.shape[3] * kv.shape[4]
-            objs = self._load_client.get([f"{spec.chunk_keys[c]}@{layer}" for c in chunks])
-            for c, obj in zip(chunks, objs, strict=True):
-                lo, hi = max(spec.start, c * cs), min(spec.end, (c + 1) * cs)
-                if hi <= lo or lo >= valid:
-                    continue
-                problem = None
-                if obj is None:
-                    problem = "missing"
-                else:
+        width = kv.shape[3] * kv.shape[4]
+        client = client if client is not None else self._load_client
+        objs = client.get([f"{spec.chunk_keys[c]}@{layer}" for c in chunks])
+        for c, obj in zip(chunks, objs, strict=True):
+            lo, hi = max(spec.start, c * cs), min(spec.end, (c + 1) * cs)
+            if hi <= lo or lo >= state.valid:
+                continue
+            problem = None
+            if obj is None:
+                problem = "missing"
+            else:
+                try:
+                    meta = RemoteMetadata.unpack(obj.metadata)
+                    shape = meta.shapes[0]
+                    n = shape[0]
+                    if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width)
+                            or meta.dtypes[0] != str(kv.dtype).removeprefix("torch.")
+                            or c * cs + n < hi):
+                        problem = f"does not match ({meta.length} bytes, shape {shape})"
+                except ValueError as exc:
+                    problem = f"has bad metadata: {exc}"
+            if problem is not None:
+                state.valid = min(state.valid, lo)
+                state.error = state.error or f"KV object of chunk {c} layer {layer} {problem}"
+                continue
+            assert obj is not None
+            data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
+            scatter_tokens(kv, spec.block_ids, lo, data[lo - c * cs: hi - c * cs])
+
+    # --- layer-wise loads: inside the step, the forward waits for each layer it needs ----------
+    def _start_layerwise(self, specs: list[LoadSpec]) -> None:
+        events = [threading.Event() for _ in self.kv_caches]
+        states = {spec.req_id: _LoadState(spec.end) for spec in specs}
+        self._layer_events = events
+        self._layerwise = [(spec, states[spec.req_id]) for spec in specs]
+        start = time.perf_counter()
+
+        def run() -> None:
+            for layer, event in enumerate(events):
+                for spec in specs:
+                    state = states[spec.req_id]
                     try:
-                        meta = RemoteMetadata.unpack(obj.metadata)
-                        shape = meta.shapes[0]
-                        n = shape[0]
-                        if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width)
-                                or meta.dtypes[0] != str(kv.dtype).removeprefix("torch.")
-                                or c * cs + n < hi):
-                            problem = f"does not match ({meta.length} bytes, shape {shape})"
-                    except ValueError as exc:
-                        problem = f"has bad metadata: {exc}"
-                if problem is not None:
-                    valid = min(valid, lo)
-                    error = error or f"KV object of chunk {c} layer {layer} {problem}"
-                    continue
-                assert obj is not None
-                data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
-                scatter_tokens(kv, spec.block_ids, lo, data[lo - c * cs: hi - c * cs])
-        return max(valid, spec.start), error
+                        if state.valid > spec.start:
+                            self._load_layer(spec, layer, state, self._layer_client)
+                    except Exception as exc:  # store unreachable: nothing of it counts
+                        state.valid = spec.start
+                        state.error = state.error or f"loading from the KV store failed: {exc}"
+                event.set()
+            for spec in specs:
+                self.timings.loads[spec.req_id] = time.perf_counter() - start
+
+        self._layer_loader.submit(run)
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
+        if self._layer_events:
+            self._layer_events[-1].wait()  # a step without a forward still finishes its loads
+            for spec, state in self._layerwise:
+                out.finished_recving.add(spec.req_id)
+                if state.valid < spec.end or state.error is not None:
+                    out.valid_loaded_tokens[spec.req_id] = max(state.valid, spec.start)
+                    out.load_errors[spec.req_id] = state.error or "incomplete load"
+            self._layer_events, self._layerwise = [], []
         for req_id, (spec, fut) in list(self._loads.items()):
             if not fut.done():
                 continue
@@ -215,3 +271,4 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._queue.put(None)
         self._sender.join(timeout=10)
         self._loader.shutdown(wait=True)
+        self._layer_loader.shutdown(wait=True)

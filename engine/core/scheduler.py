@@ -53,6 +53,9 @@ class Scheduler:
         self._aborted_loading: dict[str, Request] = {}
         self._kv_loaded: set[str] = set()
         self._failed_outputs: list[EngineCoreOutput] = []
+        self._loading_in_step: set[str] = set()  # layer-wise loads under way in this step
+        self._rollback: set[str] = set()  # their load failed: discard the step, recompute
+        self._no_external: set[str] = set()  # recompute these without the connector
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -181,7 +184,8 @@ class Scheduler:
                 budget -= n
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            if self.connector is not None and request.status == RequestStatus.WAITING:
+            if (self.connector is not None and request.status == RequestStatus.WAITING
+                    and request.request_id not in self._no_external):
                 num_external, load_async = self.connector.get_num_new_matched_tokens(
                     request, num_hit_tokens)
                 if num_external is None:
@@ -197,6 +201,26 @@ class Scheduler:
                     self.waiting_for_kv[request.request_id] = request
                     self.connector.update_state_after_alloc(
                         request, self.kv.get_block_ids(request.request_id), num_external)
+                    continue
+                if num_external > 0 and request.request_id not in self._no_external:
+                    # Layer-wise load inside this step: the runner computes only the rest.
+                    loaded = num_hit_tokens + num_external
+                    n = self._num_new_tokens_after_hits(request, loaded, budget)
+                    if self.kv.allocate_slots(request, num_external + n, num_hit_tokens, hits,
+                                              cache=False) is None:
+                        break
+                    self.waiting.pop()
+                    request.times.first_scheduled_time = now
+                    request.times.num_cached_tokens = loaded
+                    request.status = RequestStatus.RUNNING
+                    request.num_computed_tokens = loaded
+                    self.running.append(request)
+                    self._loading_in_step.add(request.request_id)
+                    self.connector.update_state_after_alloc(
+                        request, self.kv.get_block_ids(request.request_id), num_external)
+                    num_scheduled[request.request_id] = n
+                    new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
+                    budget -= n
                     continue
             n = self._num_new_tokens_after_hits(request, num_hit_tokens, budget)
             blocks = self.kv.allocate_slots(request, n, num_hit_tokens, hits)
@@ -250,7 +274,19 @@ class Scheduler:
         if output is None or self.connector is None:
             return
         self.connector.update_connector_output(output)
-        for req_id in output.finished_recving:
+        for req_id in output.finished_recving & self._loading_in_step:
+            self._loading_in_step.discard(req_id)
+            request = self.requests.get(req_id)
+            error = output.load_errors.get(req_id)
+            if request is None or error is None:
+                if request is not None:
+                    self.kv.cache_blocks(request, request.num_computed_tokens)
+                continue
+            if self.load_failure_policy == "fail":
+                self._fail_load(request, error)
+            else:  # the step computed over bad KV: drop its token and recompute everything
+                self._rollback.add(req_id)
+        for req_id in output.finished_recving - self._loading_in_step:
             aborted = self._aborted_loading.pop(req_id, None)
             if aborted is not None:
                 self._free(aborted)
@@ -260,13 +296,7 @@ class Scheduler:
                 continue
             error = output.load_errors.get(req_id)
             if error is not None and self.load_failure_policy == "fail":
-                request.status = RequestStatus.FINISHED_ABORTED
-                request.stop_reason = f"kv_load_failed: {error}"
-                request.times.finished_time = time.time()
-                self._free(request)
-                self._failed_outputs.append(EngineCoreOutput(
-                    req_id, [], finish_reason=request.status.finish_reason,
-                    stop_reason=request.stop_reason, times=request.times))
+                self._fail_load(request, error)
                 continue
             loaded_end = request.num_tokens - 1
             blocks = self.kv.get_block_ids(req_id)
@@ -280,6 +310,28 @@ class Scheduler:
             self._kv_loaded.add(req_id)
             self.waiting.prepend(request)
 
+    def _fail_load(self, request: Request, error: str) -> None:
+        """Policy "fail": the request ends now with an error naming the load failure."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = f"kv_load_failed: {error}"
+        request.times.finished_time = time.time()
+        self._free(request)
+        self._failed_outputs.append(EngineCoreOutput(
+            request.request_id, [], finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason, times=request.times))
+
+    def _roll_back(self, request: Request) -> None:
+        """Undo a step computed over KV that failed to load: free the blocks (never cached)
+        and queue the request first, to be computed from scratch without the connector."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self._no_external.add(request.request_id)
+        self.waiting.prepend(request)
+
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         now = time.time()
@@ -289,6 +341,10 @@ class Scheduler:
         for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                          logprobs, strict=False):
             request = self.requests.get(req_id)
+            if req_id in self._rollback and request is not None:
+                self._rollback.discard(req_id)
+                self._roll_back(request)
+                continue
             if not token_ids or request is None or request.is_finished:
                 continue
             if request.num_output_tokens == 0:
@@ -311,6 +367,8 @@ class Scheduler:
             _, request.kv_transfer_params = self.connector.request_finished(
                 request, self.kv.get_block_ids(request.request_id))
         self._kv_loaded.discard(request.request_id)
+        self._no_external.discard(request.request_id)
+        self._loading_in_step.discard(request.request_id)
         self.kv.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._known_by_runner:

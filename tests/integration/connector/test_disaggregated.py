@@ -64,14 +64,16 @@ def free_blocks(engine: Any) -> tuple[int, int]:
     return stats.num_free_blocks, stats.num_total_blocks
 
 
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked-prefill"])
 def test_disaggregated_equals_colocated(store: KVStoreService, long_model_dir: Path,
-                                        colocated: dict[int, list[int]], chunked: bool) -> None:
+                                        colocated: dict[int, list[int]], chunked: bool,
+                                        load_mode: str) -> None:
     extra = {"max_num_batched_tokens": 64} if chunked else {}
     producer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_producer",
                    kv_store_url=store.location, **extra)
     consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
-                   kv_store_url=store.location)
+                   kv_store_url=store.location, kv_load_mode=load_mode)
     prompts = [prompt_of(n) for n in LENGTHS]
     firsts = prefill(producer, prompts)
     outs = decode(consumer, prompts, firsts)
@@ -120,16 +122,17 @@ def _corrupt_layer(store: KVStoreService, key: str) -> None:
 FAULTS = ["unreachable", "evicted", "missing-layer", "corrupted"]
 
 
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 @pytest.mark.parametrize("fault", FAULTS)
 def test_faults_recompute_to_the_same_tokens_or_fail_clearly(
         store: KVStoreService, long_model_dir: Path, colocated: dict[int, list[int]],
-        fault: str, policy: str) -> None:
+        fault: str, policy: str, load_mode: str) -> None:
     producer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_producer",
                    kv_store_url=store.location)
     url = "grpc://127.0.0.1:9" if fault == "unreachable" else store.location
     consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
-                   kv_store_url=url, kv_load_failure_policy=policy)
+                   kv_store_url=url, kv_load_failure_policy=policy, kv_load_mode=load_mode)
     lengths = [17, 257]
     prompts = [prompt_of(n) for n in lengths]
     firsts = prefill(producer, prompts)
