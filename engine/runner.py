@@ -210,8 +210,10 @@ class ModelRunner:
         batch = self._prepare_batch(scheduler_output.num_scheduled_tokens)
         graphs = self.decode_graphs
         connector = self.connector
-        saving = connector is not None and bool(getattr(scheduler_output.kv_connector_metadata,
-                                                        "saves", None))
+        meta = scheduler_output.kv_connector_metadata
+        # Graph replays run no per-layer hooks: not while this step saves or loads KV.
+        saving = connector is not None and bool(getattr(meta, "saves", None)
+                                                or getattr(meta, "loads", None))
         if (graphs is not None and batch.metadata.is_pure_decode and not saving
                 and graphs.can_run(batch.metadata.num_reqs)):
             hidden = graphs.run(batch.input_ids, batch.positions, batch.metadata)

@@ -46,6 +46,9 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         self._loading: dict[str, LoadSpec] = {}
         self._chunk_keys: dict[str, list[str]] = {}
         self._saved_chunks: dict[str, int] = {}
+        self._found: dict[str, int] = {}  # store lookups, once per request
+        self._released: set[str] = set()  # transfers this consumer acknowledged
+        self._no_save_this_step: set[str] = set()
 
     @property
     def saves(self) -> bool:
@@ -80,12 +83,15 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
             available = min(int(params.get("num_tokens", 0)), len(keys) * self.chunk_size)
         else:
             keys = self.chunk_keys(request.request_id, request.prompt_token_ids)
-            last_layer = [f"{k}@{self.num_layers - 1}" for k in keys]
-            try:
-                found = self.client.lookup(last_layer)
-            except Exception as exc:
-                logger.warning("kv store lookup failed, computing locally: %s", exc)
-                return 0, False
+            found = self._found.get(request.request_id)
+            if found is None:  # one lookup per request, not one per step it waits
+                last_layer = [f"{k}@{self.num_layers - 1}" for k in keys]
+                try:
+                    found = int(self.client.lookup(last_layer))
+                except Exception as exc:  # an unreachable store means "compute"
+                    logger.warning("kv store lookup failed, computing locally: %s", exc)
+                    found = 0
+                self._found[request.request_id] = found
             available = min(found * self.chunk_size, request.num_prompt_tokens)
         end = min(available, limit)
         if end <= num_computed_tokens:
@@ -103,17 +109,35 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         spec.block_ids = list(block_ids)
         self._loads_to_start.append(spec)
         self._loading[request.request_id] = spec
+        if spec.layerwise:  # what this step computes rests on the load: save it only if it held
+            self._no_save_this_step.add(request.request_id)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving:
             spec = self._loading.pop(req_id, None)
+            if spec is None:
+                continue
+            if req_id in output.load_errors:
+                # A failed layer-wise step saved nothing; save again from the valid chunks.
+                valid = output.valid_loaded_tokens.get(req_id, spec.start)
+                self._saved_chunks[req_id] = 0 if spec.layerwise else valid // self.chunk_size
+            else:  # what was loaded is in the store already: do not upload it again
+                self._saved_chunks[req_id] = max(self._saved_chunks.get(req_id, 0),
+                                                 spec.end // self.chunk_size)
             request = self._get_request(req_id)
-            params = request.sampling_params.kv_transfer_params if request is not None else None
-            if spec is not None and params and params.get("do_remote_prefill"):
-                try:  # the consumer's acknowledgement: the producer's lease ends
-                    self.client.release(self.layer_keys(spec.chunk_keys))
-                except Exception as exc:
-                    logger.warning("releasing transfer %s failed: %s", params.get("transfer_id"), exc)
+            if request is not None:
+                self._release(request)
+
+    def _release(self, request: Request) -> None:
+        """The consumer's acknowledgement of a transfer: the producer's lease on it ends."""
+        params = request.sampling_params.kv_transfer_params or {}
+        if not params.get("do_remote_prefill") or request.request_id in self._released:
+            return
+        self._released.add(request.request_id)
+        try:
+            self.client.release(self.layer_keys([str(k) for k in params.get("keys", [])]))
+        except Exception as exc:  # the lease still expires on its own
+            logger.warning("releasing transfer %s failed: %s", params.get("transfer_id"), exc)
 
     # --- saves ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
@@ -123,9 +147,10 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
             return meta
         before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         before.update({r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_cached_reqs})
+        skip, self._no_save_this_step = self._no_save_this_step, set()
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             request = self._get_request(req_id)
-            if request is None:
+            if request is None or req_id in skip:
                 continue
             prompt_len = request.num_prompt_tokens
             upto = min(before[req_id] + n, prompt_len)
@@ -143,6 +168,10 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
+        self._release(request)  # no load happened (local hits, abort, failure): still release
+        self._released.discard(req_id)
+        self._found.pop(req_id, None)
+        self._no_save_this_step.discard(req_id)
         self._pending_load.pop(req_id, None)
         self._loading.pop(req_id, None)
         self._saved_chunks.pop(req_id, None)

@@ -65,6 +65,13 @@ class WorkerTimings:
 
     save_waits: list[float] = field(default_factory=list)
     loads: dict[str, float] = field(default_factory=dict)
+    keep: int = 1000  # the most recent entries only (a long-running server)
+
+    def record_load(self, req_id: str, seconds: float) -> None:
+        self.loads[req_id] = seconds
+        if len(self.loads) > self.keep:
+            del self.loads[next(iter(self.loads))]
+        del self.save_waits[:-self.keep]
 
 
 class KVStoreConnectorWorker(KVConnectorWorker):
@@ -172,7 +179,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         except Exception as exc:  # store unreachable etc.: nothing loaded
             return spec.start, f"loading from the KV store failed: {exc}"
         finally:
-            self.timings.loads[spec.req_id] = time.perf_counter() - start
+            self.timings.record_load(spec.req_id, time.perf_counter() - start)
 
     def _load_layers(self, spec: LoadSpec) -> tuple[int, str | None]:
         state = _LoadState(spec.end)
@@ -238,7 +245,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                         state.error = state.error or f"loading from the KV store failed: {exc}"
                 event.set()
             for spec in specs:
-                self.timings.loads[spec.req_id] = time.perf_counter() - start
+                self.timings.record_load(spec.req_id, time.perf_counter() - start)
 
         self._layer_loader.submit(run)
 

@@ -56,6 +56,7 @@ class Scheduler:
         self._loading_in_step: set[str] = set()  # layer-wise loads under way in this step
         self._rollback: set[str] = set()  # their load failed: discard the step, recompute
         self._no_external: set[str] = set()  # recompute these without the connector
+        self._load_end: dict[str, int] = {}  # async loads: tokens computed once the load is in
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -173,6 +174,8 @@ class Scheduler:
             if request.request_id in self._kv_loaded:  # its blocks and loaded KV are in place
                 n = self._num_new_tokens(request, budget)
                 if self.kv.allocate_slots(request, n) is None:
+                    if self._drop_loaded(request):
+                        continue
                     break
                 self._kv_loaded.discard(request.request_id)
                 self.waiting.pop()
@@ -193,8 +196,11 @@ class Scheduler:
                 if load_async and num_external > 0:
                     if self.kv.allocate_slots(request, num_external, num_hit_tokens, hits,
                                               cache=False) is None:
+                        if self._drop_loaded(request):
+                            continue
                         break
                     self.waiting.pop()
+                    self._load_end[request.request_id] = num_hit_tokens + num_external
                     request.num_computed_tokens = num_hit_tokens
                     request.times.num_cached_tokens = num_hit_tokens
                     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -208,6 +214,8 @@ class Scheduler:
                     n = self._num_new_tokens_after_hits(request, loaded, budget)
                     if self.kv.allocate_slots(request, num_external + n, num_hit_tokens, hits,
                                               cache=False) is None:
+                        if self._drop_loaded(request):
+                            continue
                         break
                     self.waiting.pop()
                     request.times.first_scheduled_time = now
@@ -225,6 +233,8 @@ class Scheduler:
             n = self._num_new_tokens_after_hits(request, num_hit_tokens, budget)
             blocks = self.kv.allocate_slots(request, n, num_hit_tokens, hits)
             if blocks is None:
+                if self._drop_loaded(request):
+                    continue
                 break
             self.waiting.pop()
             if request.status == RequestStatus.PREEMPTED:
@@ -238,6 +248,24 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
             budget -= n
+
+    def _drop_loaded(self, head: Request) -> bool:
+        """The head of the queue does not fit: free the blocks of a request whose KV arrived but
+        which is not running yet (another one first; the head itself only when nothing runs).
+        Its loaded KV stays in the prefix cache, so recomputing it mostly hits. Without this,
+        loaded requests holding blocks in the queue could block each other forever."""
+        others = [r for r in self._kv_loaded if r != head.request_id]
+        if others:
+            victim = self.requests[others[-1]]
+        elif head.request_id in self._kv_loaded and not self.running:
+            victim = head
+        else:
+            return False
+        self._kv_loaded.discard(victim.request_id)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        return True
 
     def _num_new_tokens_after_hits(self, request: Request, num_hit_tokens: int, budget: int) -> int:
         n = request.num_tokens - num_hit_tokens
@@ -298,9 +326,7 @@ class Scheduler:
             if error is not None and self.load_failure_policy == "fail":
                 self._fail_load(request, error)
                 continue
-            loaded_end = request.num_tokens - 1
-            blocks = self.kv.get_block_ids(req_id)
-            loaded_end = min(loaded_end, len(blocks) * self.kv.block_size)
+            loaded_end = min(request.num_tokens - 1, self._load_end.pop(req_id, 0))
             if req_id in output.valid_loaded_tokens:
                 loaded_end = min(loaded_end, output.valid_loaded_tokens[req_id])
             request.num_computed_tokens = max(request.num_computed_tokens, loaded_end)
@@ -330,6 +356,9 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self._no_external.add(request.request_id)
+        # The runner forgets it (a fresh sampling generator, as if the step never ran).
+        self._known_by_runner.discard(request.request_id)
+        self._finished_for_runner.add(request.request_id)
         self.waiting.prepend(request)
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -369,6 +398,7 @@ class Scheduler:
         self._kv_loaded.discard(request.request_id)
         self._no_external.discard(request.request_id)
         self._loading_in_step.discard(request.request_id)
+        self._load_end.pop(request.request_id, None)
         self.kv.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._known_by_runner:

@@ -88,3 +88,53 @@ def test_consumer_acknowledgement_ends_the_lease(store: KVStoreService, long_mod
         assert c.stats().leased == 0
     for engine in (producer, consumer):
         engine.shutdown()
+
+
+def colocated_tokens(model: Path, prompt: list[int], n: int) -> list[int]:
+    engine = EngineCore(EngineConfig(model=str(model), num_threads=1, kv_cache_gib=0.05))
+    tokens, _ = run(engine, EngineCoreRequest("c", prompt, greedy(n)))
+    return tokens
+
+
+def test_loaded_requests_holding_blocks_do_not_block_each_other(store: KVStoreService,
+                                                                long_model_dir: Path) -> None:
+    """8 usable blocks, two 65-token requests whose 64 loaded tokens fill 4 blocks each: one
+    of them gives its blocks back (its KV stays cached) instead of both waiting forever."""
+    producer = core(long_model_dir, store.location, "kv_producer")
+    consumer = EngineCore(EngineConfig(model=str(long_model_dir), num_threads=1, num_kv_blocks=9,
+                                       max_model_len=128, kv_connector="kvstore",
+                                       kv_role="kv_consumer", kv_store_url=store.location))
+    prompts = [list(range(300 + 100 * i, 364 + 100 * i)) for i in range(2)]
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        remote = greedy(1, {"do_remote_decode": True})
+        first, params = run(producer, EngineCoreRequest(f"p{i}", prompt, remote))
+        jobs.append((prompt + first, params, first))
+    for i, (ids, params, _) in enumerate(jobs):
+        consumer.add_request(EngineCoreRequest(f"d{i}", ids, greedy(4, params)))
+    got: dict[str, list[int]] = {"d0": [], "d1": []}
+    deadline = time.monotonic() + 60
+    while consumer.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the consumer hung"
+        for out in consumer.step().outputs:
+            got[out.request_id] += out.new_token_ids
+    for i, (_, _, first) in enumerate(jobs):
+        assert first + got[f"d{i}"] == colocated_tokens(long_model_dir, prompts[i], 5)
+    assert consumer.get_stats().num_free_blocks == consumer.get_stats().num_total_blocks
+    for engine in (producer, consumer):
+        engine.shutdown()
+
+
+def test_a_transfer_of_part_of_the_prompt_computes_the_rest(store: KVStoreService,
+                                                            long_model_dir: Path) -> None:
+    """Params naming 40 tokens of a 100-token prompt: 40 load, the other 60 are computed."""
+    producer = core(long_model_dir, store.location, "kv_producer")
+    consumer = core(long_model_dir, store.location, "kv_consumer")
+    prompt = list(range(1000, 1100))
+    _, params = run(producer, EngineCoreRequest("p", prompt[:40], greedy(1, {"do_remote_decode": True})))
+    assert params is not None and params["num_tokens"] == 40
+    got, _ = run(consumer, EngineCoreRequest("d", prompt, greedy(5, params)))
+    assert got == colocated_tokens(long_model_dir, prompt, 5)
+    assert consumer.get_stats().num_free_blocks == consumer.get_stats().num_total_blocks
+    for engine in (producer, consumer):
+        engine.shutdown()
