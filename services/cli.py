@@ -106,7 +106,33 @@ def _add_kvstore(subparsers: Any) -> None:
     add_kvstore_parser(subparsers)
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore]
+def _add_worker(subparsers: Any) -> None:
+    p = subparsers.add_parser("worker", help="run a prefill, decode or colocated gRPC worker")
+    p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=None,
+                   help="default 50051 (prefill) or 50061 (decode, colocated); 0 = any free port")
+    p.add_argument("--kv-store-url", default="grpc://127.0.0.1:50071")
+    p.add_argument("--grace-s", type=float, default=10.0,
+                   help="on SIGTERM, how long in-flight calls may finish")
+    _add_engine_args(p)
+    p.set_defaults(func=_run_worker)
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.config import EngineConfig
+    from services.worker.server import WorkerOptions, serve
+
+    engine = EngineConfig(**_engine_kwargs(args), kv_store_url=args.kv_store_url)
+    port = args.port if args.port is not None else (50051 if args.role == "prefill" else 50061)
+    asyncio.run(serve(WorkerOptions(role=args.role, engine=engine, host=args.host, port=port,
+                                    grace_s=args.grace_s)))
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_worker]
 
 
 def build_parser() -> argparse.ArgumentParser:

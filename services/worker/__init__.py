@@ -1,0 +1,1 @@
+"""Prefill / decode gRPC workers (server) and their typed client."""

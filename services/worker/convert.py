@@ -1,0 +1,68 @@
+"""Wire messages <-> engine values for the worker service. Errors are ValueErrors naming the field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from engine.outputs import CompletionOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from protos import worker_pb2 as pb
+
+
+def params_from_proto(msg: pb.SamplingParams, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
+                      kv_transfer_params: dict[str, Any] | None = None) -> SamplingParams:
+    """The engine's SamplingParams of one sample; SamplingParams' own validation applies."""
+    return SamplingParams(
+        n=1, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty, max_tokens=msg.max_tokens,
+        min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        output_kind=output_kind, kv_transfer_params=kv_transfer_params)
+
+
+def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    """The wire form of `params` (n, stop strings and the output kind are not sent)."""
+    if params.max_tokens is None:
+        raise ValueError("max_tokens must be set for a worker request")
+    return pb.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        seed=params.seed, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
+        stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty)
+
+
+def kv_params_from_json(text: str) -> dict[str, Any] | None:
+    """Parses kv_transfer_params_json: None when empty, else a JSON object."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"kv_transfer_params_json is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_transfer_params_json must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def token_ids_from_proto(token_ids: Any) -> list[int]:
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError("token_ids must not be empty")
+    return ids
+
+
+def chunk_from_output(sample: CompletionOutput) -> pb.DecodeChunk:
+    """A DecodeChunk of one DELTA output (no usage; the server adds it to the last chunk)."""
+    chunk = pb.DecodeChunk(token_ids=sample.token_ids, finish_reason=sample.finish_reason or "")
+    for position in sample.logprobs or []:
+        chunk.logprobs.add(candidates=[pb.Logprob(token_id=t, logprob=lp.logprob, rank=lp.rank or 0)
+                                       for t, lp in position.items()])
+    if isinstance(sample.stop_reason, int):
+        chunk.stop_token_id = sample.stop_reason
+    elif isinstance(sample.stop_reason, str):
+        chunk.stop_text = sample.stop_reason
+    return chunk

@@ -1,0 +1,247 @@
+"""The prefill / decode / colocated gRPC worker: one AsyncLLM (core in its own process) behind
+the `pdserve.worker.v1.Worker` service and the standard gRPC health service.
+
+Roles: "prefill" runs its engine as a KV producer and offers Prefill; "decode" runs a KV consumer
+and offers Decode; "colocated" has no connector and offers Decode, computing the whole prompt.
+The servicer is a thin adapter: it validates, converts (convert.py), and maps engine errors to
+status codes. Cancelling a call aborts its engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Literal, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.core_client import EngineDeadError
+from engine.outputs import RequestOutput
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc as pb_grpc
+from services.worker.convert import (
+    chunk_from_output,
+    kv_params_from_json,
+    params_from_proto,
+    token_ids_from_proto,
+)
+
+logger = logging.getLogger(__name__)
+
+WorkerRole = Literal["prefill", "decode", "colocated"]
+ROLES: tuple[WorkerRole, ...] = ("prefill", "decode", "colocated")
+SERVICE_NAME = "pdserve.worker.v1.Worker"
+_KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {
+    "prefill": "kv_producer", "decode": "kv_consumer"}
+_PROTO_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """One worker process: its role, where it listens, and its engine (connector set by role)."""
+
+    role: WorkerRole
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port
+    grace_s: float = 10.0  # how long shutdown waits for in-flight calls
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be non-negative, got {self.grace_s}")
+
+    @property
+    def engine_config(self) -> EngineConfig:
+        """The engine config with the KV connector the role needs (none when colocated)."""
+        if self.role == "colocated":
+            return replace(self.engine, kv_connector=None)
+        return replace(self.engine, kv_connector="kvstore", kv_role=_KV_ROLES[self.role])
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    """Worker RPCs over one AsyncLLM; UNAVAILABLE until `engine` is set."""
+
+    def __init__(self, role: WorkerRole) -> None:
+        self.role = role
+        self.engine: AsyncLLM | None = None
+        self._active: set[str] = set()
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.PrefillResponse:
+        if self.role != "prefill":
+            await _fail(context, grpc.StatusCode.UNIMPLEMENTED, f"a {self.role} worker does not prefill")
+        transfer = {"do_remote_decode": True, "transfer_id": request.transfer_id or request.request_id}
+        one_token = pb.SamplingParams()
+        one_token.CopyFrom(request.params)
+        one_token.max_tokens, one_token.min_tokens = 1, min(one_token.min_tokens, 1)
+        ids, params = await _parse(context, lambda: (
+            token_ids_from_proto(request.token_ids),
+            params_from_proto(one_token, RequestOutputKind.FINAL_ONLY, transfer)))
+        final: RequestOutput | None = None
+        async for out in self._generate(context, request.request_id, ids, params):
+            final = out
+        assert final is not None and final.finished
+        sample = final.outputs[0]
+        if not sample.token_ids:  # aborted before its first token (Abort, or a KV store failure)
+            await _fail(context, grpc.StatusCode.ABORTED, f"prefill ended: {sample.stop_reason or 'abort'}")
+        return pb.PrefillResponse(
+            first_token_id=sample.token_ids[0], finish_reason=sample.finish_reason or "",
+            kv_transfer_params_json=_json(final.kv_transfer_params),
+            num_cached_tokens=final.num_cached_tokens or 0)
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.DecodeChunk]:
+        if self.role == "prefill":
+            await _fail(context, grpc.StatusCode.UNIMPLEMENTED, "a prefill worker does not decode")
+
+        def parse() -> tuple[list[int], SamplingParams]:
+            kv = kv_params_from_json(request.kv_transfer_params_json)
+            return (token_ids_from_proto(request.token_ids),
+                    params_from_proto(request.params, RequestOutputKind.DELTA,
+                                      kv if self.role == "decode" else None))
+
+        ids, params = await _parse(context, parse)
+        completion_tokens = 0
+        async for out in self._generate(context, request.request_id, ids, params):
+            sample = out.outputs[0]
+            completion_tokens += len(sample.token_ids)
+            if not sample.token_ids and not out.finished:
+                continue
+            chunk = chunk_from_output(sample)
+            if out.finished:
+                chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
+                                              cached_tokens=out.num_cached_tokens or 0))
+            yield chunk
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        engine = await self._engine(context)
+        found = request.request_id in self._active
+        if found:
+            await engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        engine = await self._engine(context)
+        stats = await engine.get_stats()
+        return pb.LoadReport(num_waiting=stats.num_waiting, num_running=stats.num_running,
+                             kv_usage=stats.kv_usage, role=_PROTO_ROLES[self.role],
+                             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks)
+
+    async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
+                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request; errors become status codes, cancel aborts."""
+        engine = await self._engine(context)
+        if not request_id:
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        if request_id in self._active:
+            await _fail(context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running")
+        self._active.add(request_id)
+        try:
+            async for out in engine.generate(ids, params, request_id):
+                yield out
+        except ValueError as e:
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await _fail(context, grpc.StatusCode.UNAVAILABLE, f"engine died: {e}")
+        except asyncio.CancelledError:  # the client cancelled or the server is stopping
+            await asyncio.shield(engine.abort(request_id))
+            raise
+        finally:
+            self._active.discard(request_id)
+
+    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
+        if self.engine is None:
+            await _fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is starting")
+        if self.engine.errored:
+            await _fail(context, grpc.StatusCode.UNAVAILABLE, "the engine died")
+        return self.engine
+
+
+async def _parse(context: grpc.aio.ServicerContext, parse: Callable[[], T]) -> T:
+    try:
+        return parse()
+    except ValueError as e:
+        await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """Ends the call with `code` (context.abort raises)."""
+    await context.abort(code, message)
+    raise AssertionError("unreachable")
+
+
+def _json(params: dict[str, object] | None) -> str:
+    return json.dumps(params) if params is not None else ""
+
+
+class WorkerServer:
+    """A running worker: `await start()` (returns once the engine is ready), `await stop()`."""
+
+    def __init__(self, options: WorkerOptions) -> None:
+        self.options = options
+        self.servicer = WorkerServicer(options.role)
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {options.host}:{options.port}")
+
+    @property
+    def target(self) -> str:
+        return f"{self.options.host}:{self.port}"
+
+    async def start(self) -> None:
+        """Listens at once (health NOT_SERVING), builds the engine, then reports SERVING."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        try:
+            engine = await asyncio.to_thread(AsyncLLM, self.options.engine_config, True)
+        except BaseException:
+            await self.server.stop(None)
+            raise
+        self.servicer.engine = engine
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        logger.info("%s worker serving on %s", self.options.role, self.target)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stops accepting calls, lets in-flight ones finish within the grace period (then
+        cancels them, which aborts their requests), and shuts the engine down."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(self.options.grace_s if grace_s is None else grace_s)
+        engine, self.servicer.engine = self.servicer.engine, None
+        if engine is not None:
+            engine.shutdown()
+
+    async def wait_closed(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def _set_health(self, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, status)
+
+
+async def serve(options: WorkerOptions) -> None:
+    """Runs a worker until SIGINT / SIGTERM, then shuts it down gracefully (`pdserve worker`)."""
+    import signal
+
+    server = WorkerServer(options)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stopping.set)
+    await server.start()
+    print(f"pdserve {options.role} worker listening on {server.target}", flush=True)
+    await stopping.wait()
+    await server.stop()

@@ -1,0 +1,59 @@
+"""Worker servers for service tests: a real KV store, and prefill / decode / colocated workers
+(gRPC in this process, each engine core in its own process) on a tiny random Llama."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from engine.config import EngineConfig
+from kvstore.service import KVStoreService, StoreOptions
+from services.worker.server import ROLES, WorkerOptions, WorkerRole, WorkerServer
+
+
+def engine_config(model_dir: Path, kv_store_url: str) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), num_threads=1, max_model_len=512, num_kv_blocks=96,
+                        kv_store_url=kv_store_url)
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[KVStoreService]:
+    with KVStoreService(StoreOptions(capacity="256MiB", port=0)) as service:
+        yield service
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("llama")
+
+
+StartWorker = Callable[[WorkerRole], Awaitable[WorkerServer]]
+
+
+@pytest.fixture(scope="module")
+def start_worker(model_dir: Path, store: KVStoreService) -> StartWorker:
+    """`await start_worker(role)`: a started worker on the tiny model; the caller stops it."""
+
+    async def start(role: WorkerRole) -> WorkerServer:
+        config = engine_config(model_dir, kv_store_url=store.location)
+        server = WorkerServer(WorkerOptions(role=role, engine=config, grace_s=5.0))
+        await server.start()
+        return server
+
+    return start
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def workers(start_worker: StartWorker) -> AsyncIterator[dict[str, WorkerServer]]:
+    """One worker of each role, by role name."""
+    started: dict[str, WorkerServer] = {}
+    try:
+        for role in ROLES:
+            started[role] = await start_worker(role)
+        yield started
+    finally:
+        for server in started.values():
+            await server.stop(grace_s=1.0)
