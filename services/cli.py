@@ -132,7 +132,39 @@ def _run_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_worker]
+def _add_router(subparsers: Any) -> None:
+    p = subparsers.add_parser("router", help="run the OpenAI-compatible HTTP router over gRPC workers")
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT",
+                   help="a prefill worker (repeatable); none = colocated mode")
+    p.add_argument("--decode", action="append", required=True, metavar="HOST:PORT",
+                   help="a decode (or colocated) worker (repeatable)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="the served model name")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: --model)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill-timeout-s", type=float, default=60.0)
+    p.add_argument("--decode-timeout-s", type=float, default=600.0)
+    p.add_argument("--log-level", default="WARNING")
+    p.set_defaults(func=_run_router)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.router.app import RouterConfig, create_app
+    from services.router.dispatch import DispatchOptions
+
+    dispatch = DispatchOptions(prefill=tuple(args.prefill), decode=tuple(args.decode),
+                               prefill_timeout_s=args.prefill_timeout_s,
+                               decode_timeout_s=args.decode_timeout_s)
+    config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
+                          max_model_len=args.max_model_len, dispatch=dispatch)
+    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level.lower())
+    return 0
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_worker, _add_router]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP router: validates, tokenizes, dispatches to prefill + decode workers."""

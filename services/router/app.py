@@ -1,0 +1,344 @@
+"""The router's FastAPI app: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/health`.
+
+    app = create_app(RouterConfig(model="m", tokenizer="/models/m", max_model_len=4096,
+                                  dispatch=DispatchOptions(prefill=(...), decode=(...))))
+
+Each request is validated, tokenized once (chat template included), fanned out into `n` samples,
+each dispatched prefill -> decode; the router detokenizes incrementally and applies stop strings,
+cancelling the decode call on a match.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, decode_token
+from engine.output_processor import find_stop_string
+from engine.processor import Processor, child_request_id
+from engine.sampling_params import SamplingParams
+from protos import worker_pb2 as pb
+from services.router.dispatch import Dispatcher, DispatchOptions
+from services.router.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_body,
+    error_body,
+    models_body,
+    usage_body,
+)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str  # the served model name clients send
+    tokenizer: str  # folder or hub id of the model's tokenizer
+    max_model_len: int = 4096
+    dispatch: DispatchOptions = field(default_factory=lambda: DispatchOptions(decode=("127.0.0.1:50061",)))
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def response(self) -> JSONResponse:
+        type_ = "invalid_request_error" if self.status < 500 else "server_error"
+        return JSONResponse(error_body(self.message, type_, self.param, self.code), status_code=self.status)
+
+
+@dataclass
+class Delta:
+    """New output of one sample; the last one has finish_reason set."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[pb.PositionLogprobs]
+    finish_reason: str | None
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Generator:
+    """Tokenizes a request, runs its samples, turns their token ids into text deltas."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any, dispatcher: Dispatcher) -> None:
+        self.processor = Processor(EngineConfig(model=config.tokenizer, max_model_len=config.max_model_len),
+                                   tokenizer)
+        self.tokenizer = tokenizer
+        self.dispatcher = dispatcher
+
+    def tokenize(self, prompt: str | list[int] | list[dict[str, Any]], param: str) -> list[int]:
+        try:
+            return self.processor.preprocess(prompt)[1]
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param) from e
+
+    def params(self, prompt_len: int, max_tokens: int | None, base: SamplingParams) -> SamplingParams:
+        room = self.processor.max_model_len - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            raise OpenAIError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceed "
+                                   f"max_model_len={self.processor.max_model_len}", "max_tokens")
+        return SamplingParams(temperature=base.temperature, top_p=base.top_p, seed=base.seed,
+                              logprobs=base.logprobs, max_tokens=room if max_tokens is None else max_tokens)
+
+    async def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
+                  stops: list[str]) -> AsyncGenerator[Delta, None]:
+        """The deltas of all `n` samples, interleaved as they come."""
+        if n == 1:
+            async with aclosing(self._sample(request_id, 0, prompt_ids, params, stops)) as sample:
+                async for delta in sample:
+                    yield delta
+            return
+        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for delta in self._sample(child_request_id(request_id, i), i, prompt_ids,
+                                                 params.for_child(i), stops):
+                    queue.put_nowait(delta)
+                queue.put_nowait(None)
+            except Exception as e:
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+        try:
+            for _ in range(n):
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sample(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+                      stops: list[str]) -> AsyncGenerator[Delta, None]:
+        detok = IncrementalDetokenizer(self.tokenizer)
+        hold_back = max((len(s) for s in stops), default=1) - 1
+        text, sent, num_tokens = "", 0, 0
+        async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params)) as steps:
+            async for step in steps:
+                num_tokens += len(step.token_ids)
+                checked = len(text)
+                text += detok.update(step.token_ids, finished=bool(step.finish_reason))
+                finish = step.finish_reason or None
+                match = find_stop_string(text, checked, stops, include_stop_str=False)
+                if match is not None:
+                    text, finish = text[:match[1]], "stop"
+                end = len(text) if finish else max(sent, len(text) - hold_back)
+                yield Delta(index, text[sent:end], step.token_ids, step.logprobs, finish, num_tokens,
+                            step.cached_tokens)
+                sent = end
+                if finish:
+                    return  # leaving the loop early cancels the decode call
+
+
+def _rpc_error(e: grpc.RpcError) -> OpenAIError:
+    code = e.code() if callable(getattr(e, "code", None)) else None
+    details = e.details() if callable(getattr(e, "details", None)) else str(e)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return OpenAIError(400, str(details))
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return OpenAIError(504, "the worker timed out", code="timeout")
+    return OpenAIError(503, f"worker unavailable: {details}", code="worker_unavailable")
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
+    """The router app; the dispatcher (and its gRPC channels) lives in the app's event loop."""
+    if tokenizer is None:
+        from engine.model.loader import load_tokenizer
+
+        tokenizer = load_tokenizer(config.tokenizer)
+    state: dict[str, Generator] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        dispatcher = Dispatcher(config.dispatch)
+        state["gen"] = Generator(config, tokenizer, dispatcher)
+        try:
+            yield
+        finally:
+            await dispatcher.close()
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return models_body(config.model)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
+        _check_model(config, body.model)
+        gen = state["gen"]
+        ids = gen.tokenize(body.prompt, "prompt")
+        base = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                              logprobs=body.logprobs)
+        params = gen.params(len(ids), body.max_tokens if body.max_tokens is not None else 16, base)
+        return await _respond(gen, body.model, f"cmpl-{uuid.uuid4().hex}", ids, params, body.n,
+                              body.stop_strings, body.stream, body.include_usage, chat=False)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
+        _check_model(config, body.model)
+        gen = state["gen"]
+        ids = gen.tokenize([m.as_template_dict() for m in body.messages], "messages")
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        base = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed, logprobs=top)
+        params = gen.params(len(ids), body.token_limit, base)
+        return await _respond(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", ids, params, body.n,
+                              body.stop_strings, body.stream, body.include_usage, chat=True)
+
+    return app
+
+
+def _check_model(config: RouterConfig, model: str) -> None:
+    if model != config.model:
+        raise OpenAIError(404, f"the model '{model}' does not exist", "model", "model_not_found")
+
+
+def _is_union_tag(part: object) -> bool:
+    """Pydantic names the union member tried in an error's location (`str`, `list[int]`): not a field."""
+    text = str(part)
+    return isinstance(part, str) and ("[" in text or text in _TYPE_TAGS or text[:1].isupper())
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, e: OpenAIError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        if first.get("type") == "json_invalid":
+            detail = first.get("ctx", {}).get("error", "")
+            return OpenAIError(400, f"malformed JSON body: {detail}").response()
+        loc = [str(p) for p in first.get("loc", ())[1:] if not _is_union_tag(p)]
+        param = ".".join(loc) or None
+        msg = first.get("msg", "invalid value")
+        message = f"{param}: {msg}" if param else msg
+        return OpenAIError(400, message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return OpenAIError(e.status_code, str(e.detail)).response()
+
+
+async def _respond(gen: Generator, model: str, request_id: str, ids: list[int], params: SamplingParams,
+                   n: int, stops: list[str], stream: bool, include_usage: bool, chat: bool
+                   ) -> JSONResponse | StreamingResponse:
+    deltas = gen.run(request_id, ids, params, n, stops)
+    try:
+        first = await anext(deltas)
+    except grpc.RpcError as e:
+        await deltas.aclose()
+        raise _rpc_error(e) from e
+    if not stream:
+        async with aclosing(deltas):
+            collected = [first] + [d async for d in deltas]
+        return JSONResponse(_full_body(gen, model, request_id, len(ids), n, collected, chat))
+    return StreamingResponse(_stream(gen, model, request_id, len(ids), n, first, deltas, include_usage, chat),
+                             media_type="text/event-stream")
+
+
+async def _stream(gen: Generator, model: str, request_id: str, prompt_len: int, n: int, first: Delta,
+                  deltas: AsyncGenerator[Delta, None], include_usage: bool, chat: bool) -> AsyncIterator[str]:
+    finals: dict[int, Delta] = {}
+    started: set[int] = set()
+    try:
+        async with aclosing(deltas):
+            delta: Delta | None = first
+            while delta is not None:
+                if chat and delta.index not in started:
+                    started.add(delta.index)
+                    role = {"index": delta.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}
+                    yield _sse(completion_body(request_id, model, [role], None, chunk=True, chat=True))
+                if delta.finish_reason:
+                    finals[delta.index] = delta
+                choice = _choice(gen, delta, delta.text, chat, stream=True)
+                yield _sse(completion_body(request_id, model, [choice], None, chunk=True, chat=chat))
+                delta = await anext(deltas, None)
+    except grpc.RpcError as e:
+        error = _rpc_error(e)
+        yield _sse(error_body(error.message, "server_error", None, error.code))
+    if include_usage:
+        yield _sse(completion_body(request_id, model, [], _usage(prompt_len, finals.values()), chunk=True,
+                                   chat=chat))
+    yield "data: [DONE]\n\n"
+
+
+def _full_body(gen: Generator, model: str, request_id: str, prompt_len: int, n: int,
+               deltas: Sequence[Delta], chat: bool) -> dict[str, Any]:
+    choices = []
+    for i in range(n):
+        mine = [d for d in deltas if d.index == i]
+        merged = Delta(i, "".join(d.text for d in mine), [t for d in mine for t in d.token_ids],
+                       [lp for d in mine for lp in d.logprobs], mine[-1].finish_reason,
+                       mine[-1].completion_tokens, mine[0].cached_tokens)
+        choices.append(_choice(gen, merged, merged.text, chat, stream=False))
+    finals = [d for d in deltas if d.finish_reason]
+    return completion_body(request_id, model, choices, _usage(prompt_len, finals), chat=chat)
+
+
+def _usage(prompt_len: int, finals: Any) -> dict[str, Any]:
+    finals = list(finals)
+    return usage_body(prompt_len, sum(d.completion_tokens for d in finals),
+                      max((d.cached_tokens for d in finals), default=0))
+
+
+def _choice(gen: Generator, delta: Delta, text: str, chat: bool, stream: bool) -> dict[str, Any]:
+    logprobs = _logprobs(gen, delta, chat) if delta.logprobs else None
+    if not chat:
+        return {"index": delta.index, "text": text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+    key, content = ("delta", {"content": text}) if stream else ("message", {"role": "assistant",
+                                                                             "content": text})
+    return {"index": delta.index, key: content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+
+def _logprobs(gen: Generator, delta: Delta, chat: bool) -> dict[str, Any]:
+    """OpenAI logprobs of the delta's tokens; `candidates[0]` of each position is the sampled token."""
+    tok = gen.tokenizer
+    positions = [(decode_token(tok, tid), pos)
+                 for tid, pos in zip(delta.token_ids, delta.logprobs, strict=False)]
+    sampled = [pos.candidates[0].logprob if pos.candidates else 0.0 for _, pos in positions]
+    tops = [[(decode_token(tok, c.token_id), c.logprob) for c in pos.candidates[1:]] for _, pos in positions]
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
+                                              for s, v in top]}
+                            for (t, _), lp, top in zip(positions, sampled, tops, strict=True)]}
+    return {"tokens": [t for t, _ in positions], "token_logprobs": sampled,
+            "top_logprobs": [dict(top) for top in tops], "text_offset": []}
