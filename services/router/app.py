@@ -168,10 +168,10 @@ def _sse(body: dict[str, Any]) -> str:
 
 def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     """The router app; the dispatcher (and its gRPC channels) lives in the app's event loop."""
-    if tokenizer is None:
-        from engine.model.loader import load_tokenizer
+    if tokenizer is None:  # a model name (the default one included), folder or hub id
+        from engine.model.loader import load_tokenizer, resolve_model_path
 
-        tokenizer = load_tokenizer(config.tokenizer)
+        tokenizer = load_tokenizer(resolve_model_path(config.tokenizer))
     state: dict[str, Generator] = {}
 
     @asynccontextmanager
