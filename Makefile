@@ -29,7 +29,9 @@ system-deps:
 peers:
 	bash kvstore/peers/install_lmcache.sh
 
-run: demo
+# The whole system on this machine: KV store, 1 prefill + 1 decode worker, router on :8000.
+run: setup
+	$(BIN)/pdserve up
 
 demo: setup
 	$(BIN)/pdserve generate --chat --max-tokens 64 --temperature 0 \

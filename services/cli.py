@@ -164,7 +164,14 @@ def _run_router(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_worker, _add_router]
+def _add_up(subparsers: Any) -> None:
+    from services.up import add_up_parser
+
+    add_up_parser(subparsers)
+
+
+SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_worker, _add_router,
+                                            _add_up]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,172 @@
+"""`pdserve up`: the whole system as local processes — the KV store (memory backend), prefill
+workers, decode workers and the router — started in order, each waited for until healthy;
+prints where to send requests; Ctrl-C (or SIGTERM) stops everything. `--colocated` runs
+workers that prefill and decode themselves behind the same router, for comparison.
+
+    pdserve up [--model M] [--prefill 1] [--decode 1] [--port 8000] [--colocated]
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from typing import Any
+
+from engine.config import DEFAULT_MODEL
+
+
+def add_up_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser("up", help="start the KV store, workers and router locally")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
+    p.add_argument("--colocated", action="store_true",
+                   help="workers prefill and decode themselves (no KV transfer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="router HTTP port")
+    p.add_argument("--kvstore-port", type=int, default=50071)
+    p.add_argument("--prefill-port", type=int, default=50051, help="first prefill worker's port")
+    p.add_argument("--decode-port", type=int, default=50061, help="first decode worker's port")
+    p.add_argument("--kvstore-capacity", default="4GiB")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.set_defaults(func=run_up)
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+
+    def start(self, name: str, argv: list[str]) -> None:
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
+                                preexec_fn=_die_with_parent)
+        self.procs.append((name, proc))
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {proc.returncode}")
+
+    def wait(self, name: str, ready: Any, deadline: float) -> None:
+        while not ready():
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not healthy after {self.args.startup_timeout_s} s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def _die_with_parent() -> None:
+    """Linux: a child gets SIGTERM when the launcher dies, even by SIGKILL (no orphans)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def _grpc_serving(target: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+    except grpc.RpcError:
+        return False
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as resp:
+            return bool(resp.status == 200)
+    except OSError:
+        return False
+
+
+def run_up(args: argparse.Namespace) -> int:
+    from engine.model.loader import resolve_model_path
+
+    # Resolve (and, the first time, convert) the model once, not once per worker.
+    folder = str(resolve_model_path(args.model))
+    launcher = Launcher(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    h = args.host
+    engine_args = ["--model", folder]
+    for flag, value in (("--num-threads", args.num_threads), ("--kv-cache-gib", args.kv_cache_gib),
+                        ("--max-model-len", args.max_model_len)):
+        if value is not None:
+            engine_args += [flag, str(value)]
+    store = f"grpc://{h}:{args.kvstore_port}"
+    deadline = time.monotonic() + args.startup_timeout_s
+    try:
+        prefill, decode = [], []
+        if not args.colocated:
+            launcher.start("kvstore", ["kvstore", "--host", h, "--port", str(args.kvstore_port),
+                                       "--capacity", args.kvstore_capacity, "--log-level", "WARNING"])
+            launcher.wait("kvstore", lambda: _port_open(h, args.kvstore_port), deadline)
+            for i in range(args.prefill):
+                target = f"{h}:{args.prefill_port + i}"
+                launcher.start(f"prefill-{i}", ["worker", "--role", "prefill", "--host", h, "--port",
+                                                str(args.prefill_port + i), "--kv-store-url", store,
+                                                *engine_args])
+                prefill.append(target)
+        role = "colocated" if args.colocated else "decode"
+        for i in range(args.decode):
+            target = f"{h}:{args.decode_port + i}"
+            launcher.start(f"{role}-{i}", ["worker", "--role", role, "--host", h, "--port",
+                                           str(args.decode_port + i), "--kv-store-url", store,
+                                           *engine_args])
+            decode.append(target)
+        for target in prefill + decode:
+            launcher.wait(f"worker {target}", lambda t=target: _grpc_serving(t), deadline)
+        router = ["router", "--model", args.model, "--tokenizer", folder, "--host", h,
+                  "--port", str(args.port)]
+        for target in prefill:
+            router += ["--prefill", target]
+        for target in decode:
+            router += ["--decode", target]
+        if args.max_model_len is not None:
+            router += ["--max-model-len", str(args.max_model_len)]
+        launcher.start("router", router)
+        launcher.wait("router", lambda: _http_ok(f"http://{h}:{args.port}/health"), deadline)
+        mode = "colocated" if args.colocated else f"{len(prefill)} prefill + {len(decode)} decode"
+        print(f"pdserve is up ({mode}, model {args.model}): OpenAI API at http://{h}:{args.port}/v1 "
+              f"- Ctrl-C stops everything", flush=True)
+        while not stop.wait(0.5):
+            launcher.check_alive()
+        return 0
+    except RuntimeError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        launcher.stop()
