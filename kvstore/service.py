@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -131,11 +132,17 @@ def run_kvstore(args: argparse.Namespace) -> int:
                         max_object_size=args.max_object_size, redis_url=args.redis_url,
                         ttl_s=args.ttl, host=args.host, port=args.port, lm_port=args.lm_port,
                         metrics_port=args.metrics_port, validate=not args.no_validate)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before anything can signal us
+        signal.signal(sig, lambda *_: stop.set())
     service = KVStoreService(opts).start()
     print(f"kvstore: {service.backend.name} backend on {service.location}", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    service.stop()
+    while not stop.wait(0.5):  # polling: a signal is always seen within half a second
+        pass
+    stopper = threading.Thread(target=service.stop, daemon=True)
+    stopper.start()
+    stopper.join(timeout=15)
+    if stopper.is_alive():
+        logger.warning("kvstore: shutdown did not finish in 15 s; exiting anyway")
+        os._exit(0)
     return 0

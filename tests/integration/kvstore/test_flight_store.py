@@ -262,7 +262,7 @@ def test_cli_serves_until_sigterm() -> None:
             c.put([item(0, torch.ones(4, 2, 8))])
             assert c.stats().objects == 1
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(timeout=40) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
