@@ -7,7 +7,9 @@ objects, and for batches of 30 per-layer objects of 256 tokens (KV_T2D, the defa
 shape: 256 x 2 x 192 float32 = 384 KiB each); then p50 / p99 latency of one 30-layer get.
 Targets: pdserve >= 2x plain gRPC and >= raw Redis throughput for large objects.
 
-    python benchmarks/bench_kvstore.py [--repeats 5] [--latency-samples 100]
+    python benchmarks/bench_kvstore.py [--repeats 9] [--latency-samples 100]
+
+All three servers run at once, each in its own process; rounds are interleaved across them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ LAYERS = 30
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--latency-samples", type=int, default=100)
     p.add_argument("--sizes-mb", default="1,8,64")
     p.add_argument("--skip-redis", action="store_true")
@@ -221,33 +223,42 @@ def lmcache_items(chunk_hash: int, payloads: list[np.ndarray], shape: tuple[int,
     return [(chunk.layer(i).to_string(), meta, p) for i, p in enumerate(payloads)]
 
 
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm-up
-    out = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def interleaved(ops: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Times each system's op `repeats` times, rounds interleaved (A, B, C, A, B, C, ...) so
+    that load from elsewhere on the machine hits every system alike; one warm-up each first."""
+    for fn in ops.values():
         fn()
-        out.append(time.perf_counter() - start)
+    out: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, fn in ops.items():
+            start = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - start)
     return out
 
 
-def run_system(system: Any, args: argparse.Namespace, rng: np.random.Generator
-               ) -> dict[str, Any]:
-    res: dict[str, Any] = {}
+def run_all(systems: list[Any], args: argparse.Namespace, rng: np.random.Generator
+            ) -> dict[str, dict[str, Any]]:
+    res: dict[str, dict[str, Any]] = {s.name: {} for s in systems}
+
+    def measure(label: str, nbytes: int, items: list[tuple[str, bytes, np.ndarray]]) -> None:
+        keys = [k for k, _, _ in items]
+        puts = interleaved({s.name: partial(s.put, items) for s in systems}, args.repeats)
+        gets = interleaved({s.name: partial(s.get, keys) for s in systems}, args.repeats)
+        for s in systems:
+            res[s.name][f"put {label}"] = nbytes / median(puts[s.name])
+            res[s.name][f"get {label}"] = nbytes / median(gets[s.name])
+
     for mb in [int(s) for s in args.sizes_mb.split(",")]:
         data = rng.integers(0, 255, size=mb * MB, dtype=np.uint8).view(np.float32)
-        items = lmcache_items(1000 + mb, [data], (mb * MB // 4,))
-        keys = [k for k, _, _ in items]
-        res[f"put {mb} MB"] = mb * MB / median(timed(partial(system.put, items), args.repeats))
-        res[f"get {mb} MB"] = mb * MB / median(timed(partial(system.get, keys), args.repeats))
+        measure(f"{mb} MB", mb * MB, lmcache_items(1000 + mb, [data], (mb * MB // 4,)))
     layers = [rng.standard_normal(LAYER_SHAPE, dtype=np.float32) for _ in range(LAYERS)]
     items = lmcache_items(7, layers, LAYER_SHAPE)
+    measure(f"{LAYERS} x 384 KiB", sum(a.nbytes for a in layers), items)
     keys = [k for k, _, _ in items]
-    total = sum(a.nbytes for a in layers)
-    res["put 30 x 384 KiB"] = total / median(timed(lambda: system.put(items), args.repeats))
-    res["get 30 x 384 KiB"] = total / median(timed(lambda: system.get(keys), args.repeats))
-    lat = timed(lambda: system.get(keys), args.latency_samples)
-    res["lat"] = (percentile(lat, 50), percentile(lat, 99))
+    lat = interleaved({s.name: partial(s.get, keys) for s in systems}, args.latency_samples)
+    for s in systems:
+        res[s.name]["lat"] = (percentile(lat[s.name], 50), percentile(lat[s.name], 99))
     return res
 
 
@@ -257,12 +268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     makers: list[Callable[[], Any]] = [PdserveStore, PlainGrpc]
     if not args.skip_redis:
         makers.insert(1, RawRedis)
-    results: dict[str, dict[str, Any]] = {}
-    for make in makers:
-        system = make()
-        try:
-            results[system.name] = run_system(system, args, rng)
-        finally:
+    systems: list[Any] = []
+    try:
+        for make in makers:
+            systems.append(make())
+        results = run_all(systems, args, rng)
+    finally:
+        for system in systems:
             system.close()
     names = list(results)
     ours, grpc_name = names[0], "plain gRPC bytes"
@@ -278,8 +290,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         row.append(f"{results[grpc_name]['lat'][q] / results[ours]['lat'][q]:.2f}")
         row.append(f"{results[redis_name]['lat'][q] / results[ours]['lat'][q]:.2f}" if redis_name else "-")
         rows.append(row)
-    print(f"kvstore benchmark: loopback, median of {args.repeats} runs (MB/s of payload; latency "
-          f"over {args.latency_samples} gets); ratios > 1 favour pdserve")
+    print(f"kvstore benchmark: loopback, median of {args.repeats} interleaved runs (MB/s of "
+          f"payload; latency over {args.latency_samples} gets); ratios > 1 favour pdserve")
     print(markdown_table(["measure", *names, "vs gRPC", "vs Redis"], rows))
     return 0
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,15 +54,18 @@ class StoreStats:
 
 class KVStoreClient:
     def __init__(self, location: str = DEFAULT_LOCATION, timeout_s: float = 30.0,
-                 streams: int = 4, parallel_bytes: int = 2 * 2**20) -> None:
+                 streams: int = 4, parallel_bytes: int = 2 * 2**20,
+                 split_put_bytes: int = 16 * 2**20) -> None:
         if "://" not in location:
             location = f"grpc://{location}"
-        if streams < 1 or parallel_bytes < 1:
-            raise ValueError(f"streams and parallel_bytes must be >= 1, got {streams}, {parallel_bytes}")
+        if streams < 1 or parallel_bytes < 1 or split_put_bytes < 1:
+            raise ValueError(f"streams, parallel_bytes and split_put_bytes must be >= 1, got "
+                             f"{streams}, {parallel_bytes}, {split_put_bytes}")
         self.location = location
         self.timeout_s = timeout_s
         self.streams = streams
         self.parallel_bytes = parallel_bytes
+        self.split_put_bytes = split_put_bytes
         self._client: flight.FlightClient | None = None
         self._pool: list[flight.FlightClient] = []
         self._pool_lock = threading.Lock()
@@ -134,8 +137,10 @@ class KVStoreClient:
 
     def put(self, items: Sequence[tuple[str, bytes, Any]], ttl_s: float | None = None) -> None:
         """Stores every (key, metadata, payload); payloads are not copied. Objects of at least
-        `parallel_bytes` are cut into parts sent over `streams` parallel streams; the server
-        stores each object only once all of it arrived."""
+        `split_put_bytes` are cut into parts sent over `streams` parallel streams (the server
+        keeps the parts as received, without copying them together; bench_kvstore on loopback:
+        8 MB puts ~0.9 GB/s in parts vs ~1.15 GB/s whole, 64 MB ~1.8 vs ~1.1 GB/s); the server stores
+        each object only once all of it arrived."""
         if not items:
             return
         command = pb.PutRequest(ttl_s=ttl_s or 0.0).SerializeToString()
@@ -144,7 +149,7 @@ class KVStoreClient:
         small: list[pa.RecordBatch] = []
         for key, meta, data in items:
             buf = as_buffer(data)
-            if buf.size < self.parallel_bytes or self.streams == 1:
+            if buf.size < self.split_put_bytes or self.streams == 1:
                 small.append(object_batch(key, meta, buf))
                 continue
             step = -(-buf.size // self.streams)
@@ -177,28 +182,32 @@ class KVStoreClient:
     def _fetch(self, keys: Sequence[str]) -> list[tuple[bytes, int, list[Row]] | None]:
         """Per key: (metadata, size, pieces) or None. The first read takes up to
         `parallel_bytes * streams` of each object (one round trip for most objects); what is
-        left of larger ones is fetched in byte ranges over parallel streams."""
-        first = self._call("get", lambda c: self._read(
-            c, pb.GetRequest(keys=list(keys), length=self.parallel_bytes * self.streams)))
-        if len(first) != len(keys):
-            raise KVStoreClientError(f"get: asked for {len(keys)} keys, got {len(first)} answers")
+        left of larger ones is fetched in byte ranges over parallel streams. The server answers
+        a range with one row, or one per part it stored the object in."""
+        head = self.parallel_bytes * self.streams
+        first = self._call("get", lambda c: self._read(c, pb.GetRequest(keys=list(keys), length=head)))
+        rows = iter(first)
         out: list[tuple[bytes, int, list[Row]] | None] = []
-        for key, row in zip(keys, first, strict=True):
+        for key in keys:
+            row = next(rows, None)
+            if row is None or row.key != key:
+                raise KVStoreClientError(f"get: the answer for {key!r} is missing or out of order")
             if not row.found:
                 out.append(None)
                 continue
-            pieces = [row]
-            rest = row.total - row.data.size
-            if rest > 0:
-                step = -(-rest // self.streams)
-                ranges = [(off, min(step, row.total - off))
-                          for off in range(row.data.size, row.total, step)]
-                tasks = [self._range_task(key, o, n) for o, n in ranges]
-                for got in self._parallel("get", tasks):
-                    if not got or not got[0].found or got[0].total != row.total:
+            pieces = [row, *_rest_of_range(rows, key, row, 0, min(head, row.total))]
+            got = sum(p.data.size for p in pieces)
+            if got < row.total:
+                step = -(-(row.total - got) // self.streams)
+                starts = list(range(got, row.total, step))
+                tasks = [self._range_task(key, o, min(step, row.total - o)) for o in starts]
+                for o, answer in zip(starts, self._parallel("get", tasks), strict=True):
+                    it = iter(answer)
+                    lead = next(it, None)
+                    if lead is None or not lead.found or lead.total != row.total:
                         raise KVStoreClientError(f"get {key!r}: the object changed or vanished "
                                                  f"while it was read")
-                    pieces.append(got[0])
+                    pieces += [lead, *_rest_of_range(it, key, lead, o, min(o + step, row.total))]
             out.append((row.metadata, row.total, pieces))
         return out
 
@@ -215,10 +224,11 @@ class KVStoreClient:
             if len(pieces) == 1:
                 out.append(KVObject(meta, pieces[0].data))
                 continue
-            buf = np.empty(total, dtype=np.uint8)
+            buf = pa.allocate_buffer(total)  # Arrow's pool recycles pages: no page faults
+            view = np.frombuffer(buf, dtype=np.uint8)
             for p in pieces:
-                buf[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
-            out.append(KVObject(meta, pa.py_buffer(buf)))
+                view[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
+            out.append(KVObject(meta, buf))
         return out
 
     def get_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[bytes | None]:
@@ -301,6 +311,20 @@ class KVStoreClient:
             return str(results[0].body.to_pybytes().decode())
 
         return self._call("metrics", run)
+
+
+def _rest_of_range(rows: Iterator[Row], key: str, first: Row, start: int, end: int) -> list[Row]:
+    """The rows after `first` that complete the range [start, end) of `key`."""
+    got, out = first.offset + first.data.size, []
+    if first.offset != start:
+        raise KVStoreClientError(f"get {key!r}: expected bytes from {start}, got {first.offset}")
+    while got < end:
+        row = next(rows, None)
+        if row is None or row.key != key or row.offset != got or row.total != first.total:
+            raise KVStoreClientError(f"get {key!r}: the answer stops at byte {got} of {end}")
+        out.append(row)
+        got += row.data.size
+    return out
 
 
 def _server_message(exc: Exception) -> str:

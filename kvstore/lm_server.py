@@ -29,6 +29,7 @@ from collections.abc import Iterable
 import pyarrow as pa
 
 from kvstore.backend import Backend, KVObject, KVStoreError
+from kvstore.chunked import contiguous
 from kvstore.lm_protocol import (
     CLIENT_HEADER_BYTES,
     FAIL_REPLY,
@@ -221,7 +222,7 @@ class LMServer:
             return
         reply = ServerMeta(ServerReturnCode.SUCCESS, _reply_meta_of(obj))
         conn.sendall(reply.encode())
-        send_payload(conn, memoryview(obj.data))  # type: ignore[arg-type]  # bytes or pyarrow.Buffer
+        send_payload(conn, memoryview(contiguous(obj.data)))
 
     def _exists_reply(self, key: str) -> ServerMeta:
         try:

@@ -19,6 +19,7 @@ import pyarrow.flight as flight
 
 from kvstore.assembler import PartAssembler
 from kvstore.backend import Backend, KVObject, KVStoreError
+from kvstore.chunked import ChunkedPayload
 from kvstore.metrics import StoreMetrics
 from kvstore.validation import check_key, check_metadata
 from kvstore.wire import SCHEMA, as_buffer, iter_objects, object_batch
@@ -91,7 +92,8 @@ class KVStoreServer(flight.FlightServerBase):
             raise pa.ArrowInvalid(f"put: ttl_s must be >= 0, got {req.ttl_s}")
         return req.ttl_s or self.default_ttl_s
 
-    def _store(self, key: str, meta: bytes, payload: pa.Buffer, ttl: float | None) -> None:
+    def _store(self, key: str, meta: bytes, payload: pa.Buffer | ChunkedPayload,
+               ttl: float | None) -> None:
         if self.validate:
             check_key(key)
             check_metadata(key, meta, payload.size)
@@ -112,8 +114,8 @@ class KVStoreServer(flight.FlightServerBase):
         req = _parse(pb.GetRequest, ticket.ticket, "get")
         keys = list(req.keys)
         _check_keys(keys, "get")
-        found = [(key, self.backend.get(key)) for key in keys]
-        batches = [_batch(key, obj, req.offset, req.length) for key, obj in found]
+        batches = [b for key in keys for b in _batches(key, self.backend.get(key), req.offset,
+                                                        req.length)]
         self.metrics.get_bytes.inc(sum(b.column(2).buffers()[2].size for b in batches
                                        if b.column(2).buffers()[2] is not None))
         self.metrics.get_latency.observe(time.perf_counter() - start)
@@ -192,17 +194,25 @@ class KVStoreServer(flight.FlightServerBase):
         return self.metrics.exposition(self.backend.stats())
 
 
-def _batch(key: str, obj: KVObject | None, offset: int, length: int) -> pa.RecordBatch:
-    """The object (or its byte range [offset, offset + length), length 0 = to the end)."""
+def _batches(key: str, obj: KVObject | None, offset: int, length: int) -> list[pa.RecordBatch]:
+    """The object, or its byte range [offset, offset + length) (length 0 = to the end): one
+    row, or one row per stored part the range covers (each with its offset; zero-copy)."""
     if obj is None:
-        return object_batch(key, b"", b"", found=False, total=0)
+        return [object_batch(key, b"", b"", found=False, total=0)]
+    if isinstance(obj.data, ChunkedPayload):
+        size = obj.data.size
+        start = min(offset, size)
+        end = size if length == 0 else min(size, start + length)
+        pieces = obj.data.pieces(start, end) or [(start, pa.py_buffer(b""))]
+        return [object_batch(key, obj.metadata, piece, offset=at, total=size)
+                for at, piece in pieces]
     data = as_buffer(obj.data)
     if offset == 0 and (length == 0 or length >= data.size):
-        return object_batch(key, obj.metadata, data)
+        return [object_batch(key, obj.metadata, data)]
     start = min(offset, data.size)
     end = data.size if length == 0 else min(data.size, start + length)
-    return object_batch(key, obj.metadata, data.slice(start, end - start), offset=start,
-                        total=data.size)
+    return [object_batch(key, obj.metadata, data.slice(start, end - start), offset=start,
+                         total=data.size)]
 
 
 def _parse(message_type: Any, body: bytes, op: str) -> Any:

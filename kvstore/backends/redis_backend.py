@@ -36,6 +36,7 @@ from kvstore.backend import (
     KVStoreError,
     ObjectTooLargeError,
 )
+from kvstore.chunked import contiguous
 
 META_SUFFIX = "metadata"
 DATA_SUFFIX = "kv_bytes"
@@ -71,7 +72,7 @@ class RedisBackend(Backend):
         _check_key(key)
         if ttl_s is not None and ttl_s <= 0:
             raise InvalidRequestError(f"ttl_s must be positive, got {ttl_s}")
-        payload = _as_bytes_like(obj.data)
+        payload = _as_bytes_like(contiguous(obj.data))
         if obj.nbytes > self.max_object_bytes:
             raise ObjectTooLargeError(f"object {key[:200]!r} is {obj.nbytes} bytes; this store takes "
                                       f"at most {self.max_object_bytes} bytes per object")

@@ -270,9 +270,10 @@ def test_cli_serves_until_sigterm() -> None:
 
 @pytest.mark.parametrize("streams", [1, 3, 4])
 def test_large_objects_travel_in_parallel_parts_and_ranges(store: KVStoreService, streams: int) -> None:
-    """Objects over parallel_bytes go out as parts over several streams and come back in byte
-    ranges; the bytes are the same whatever the split."""
-    with KVStoreClient(store.location, streams=streams, parallel_bytes=64 * 1024) as c:
+    """Objects over split_put_bytes go out as parts over several streams, objects over
+    parallel_bytes come back in byte ranges; the bytes are the same whatever the split."""
+    with KVStoreClient(store.location, streams=streams, parallel_bytes=64 * 1024,
+                       split_put_bytes=64 * 1024) as c:
         tensors = [torch.randn(n) for n in (1000, 100_003, 600_001)]
         c.put([item(i, t) for i, t in enumerate(tensors)])
         keys = [CHUNK.layer(i).to_string() for i in range(len(tensors))]
@@ -304,3 +305,23 @@ def test_parts_that_overlap_or_overflow_are_rejected_and_nothing_is_stored(clien
             writer.close()
     assert client.get([key]) == [None]
     assert client.health() == "SERVING"
+
+
+def test_an_object_put_in_parts_reads_whole_over_lm_and_from_redis(redis_url: str) -> None:
+    """The memory backend keeps a parallel put as its parts; the lm:// server and the Redis
+    backend see one contiguous payload, byte for byte."""
+    from kvstore.lm_client import LMClient
+
+    tensor = torch.randn(300_001)
+    key, meta, payload = item(0, tensor)
+    for opts in (StoreOptions(capacity="64MiB", port=0, lm_port=0),
+                 StoreOptions(backend="redis", redis_url=redis_url, port=0)):
+        with KVStoreService(opts) as service, \
+             KVStoreClient(service.location, streams=3, split_put_bytes=4096) as c:
+            c.put([(key, meta, payload)])
+            obj = c.get([key])[0]
+            assert obj is not None and obj.data.to_pybytes() == tensor.numpy().tobytes()
+            if service.lm_server is not None:
+                with LMClient("127.0.0.1", service.lm_server.port, timeout_s=10) as lm:
+                    got = lm.get(key)
+                assert got is not None and bytes(got[1]) == tensor.numpy().tobytes()
