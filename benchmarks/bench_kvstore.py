@@ -7,7 +7,7 @@ objects, and for batches of 30 per-layer objects of 256 tokens (KV_T2D, the defa
 shape: 256 x 2 x 192 float32 = 384 KiB each); then p50 / p99 latency of one 30-layer get.
 Targets: pdserve >= 2x plain gRPC and >= raw Redis throughput for large objects.
 
-    python benchmarks/bench_kvstore.py [--repeats 9] [--latency-samples 100]
+    python benchmarks/bench_kvstore.py [--repeats 15] [--latency-samples 100]
 
 All three servers run at once, each in its own process; rounds are interleaved across them.
 """
@@ -41,7 +41,7 @@ LAYERS = 30
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--repeats", type=int, default=9)
+    p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--latency-samples", type=int, default=100)
     p.add_argument("--sizes-mb", default="1,8,64")
     p.add_argument("--skip-redis", action="store_true")
