@@ -11,7 +11,9 @@ cancelling the decode call on a match.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
@@ -21,7 +23,9 @@ from typing import Any
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.config import EngineConfig
@@ -30,7 +34,8 @@ from engine.output_processor import find_stop_string
 from engine.processor import Processor, child_request_id
 from engine.sampling_params import SamplingParams
 from protos import worker_pb2 as pb
-from services.router.dispatch import Dispatcher, DispatchOptions
+from services.router.dispatch import Dispatcher, DispatchOptions, NoWorkerError
+from services.router.metrics import RouterMetrics
 from services.router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,20 +52,30 @@ class RouterConfig:
     tokenizer: str  # folder or hub id of the model's tokenizer
     max_model_len: int = 4096
     dispatch: DispatchOptions = field(default_factory=lambda: DispatchOptions(decode=("127.0.0.1:50061",)))
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    max_waiting: int = 64  # admission: 429 once every healthy worker of a pool has this many queued
+    max_inflight: int = 4096  # admission: 429 beyond this many requests in the router
+    retry_after_s: int = 1
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.max_waiting < 1 or self.max_inflight < 1 or self.retry_after_s < 1:
+            raise ValueError("max_waiting, max_inflight and retry_after_s must be at least 1")
 
 
 class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        type_ = "invalid_request_error" if self.status < 500 else "server_error"
-        return JSONResponse(error_body(self.message, type_, self.param, self.code), status_code=self.status)
+        type_ = {401: "authentication_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return JSONResponse(error_body(self.message, type_, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
 
 
 @dataclass
@@ -76,14 +91,56 @@ class Delta:
     cached_tokens: int
 
 
+class Admission:
+    """One admitted request's hold on the router's in-flight count; `release` is idempotent."""
+
+    def __init__(self, gen: Generator) -> None:
+        self.gen = gen
+        self.released = False
+        gen.inflight += 1
+        gen.metrics.running.inc()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.gen.inflight -= 1
+            self.gen.metrics.running.dec()
+
+
 class Generator:
     """Tokenizes a request, runs its samples, turns their token ids into text deltas."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Any, dispatcher: Dispatcher) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: Any, dispatcher: Dispatcher,
+                 metrics: RouterMetrics) -> None:
         self.processor = Processor(EngineConfig(model=config.tokenizer, max_model_len=config.max_model_len),
                                    tokenizer)
+        self.config = config
         self.tokenizer = tokenizer
         self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.inflight = 0
+
+    def admit(self) -> Admission:
+        """Admission control, before any work: 429 (with Retry-After) when the router holds
+        `max_inflight` requests or every healthy worker of a pool has `max_waiting` queued; 503 when
+        no decode worker is healthy (no healthy prefill worker is fine: decode computes prompts)."""
+        cfg = self.config
+        retry = {"Retry-After": str(cfg.retry_after_s)}
+        if not self.dispatcher.decode.healthy:
+            self.metrics.rejected.labels("no_healthy_worker").inc()
+            raise OpenAIError(503, f"no healthy {self.dispatcher.decode.role} worker; retry later",
+                              code="worker_unavailable", headers=retry)
+        if self.inflight >= cfg.max_inflight:
+            self.metrics.rejected.labels("router_full").inc()
+            raise OpenAIError(429, f"the router already serves {self.inflight} requests "
+                                   f"(max_inflight={cfg.max_inflight}); retry later",
+                              code="rate_limit_exceeded", headers=retry)
+        for pool in self.dispatcher.pools:
+            if pool.saturated(cfg.max_waiting):
+                self.metrics.rejected.labels(f"{pool.role}_queue_full").inc()
+                raise OpenAIError(429, f"every {pool.role} worker has {cfg.max_waiting} or more queued "
+                                       f"requests; retry later", code="rate_limit_exceeded", headers=retry)
+        return Admission(self)
 
     def tokenize(self, prompt: str | list[int] | list[dict[str, Any]], param: str) -> list[int]:
         try:
@@ -135,8 +192,13 @@ class Generator:
         detok = IncrementalDetokenizer(self.tokenizer)
         hold_back = max((len(s) for s in stops), default=1) - 1
         text, sent, num_tokens = "", 0, 0
+        start = last = time.perf_counter()
         async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params)) as steps:
             async for step in steps:
+                now = time.perf_counter()
+                if step.token_ids:
+                    (self.metrics.ttft if num_tokens == 0 else self.metrics.itl).observe(now - last)
+                    last = now
                 num_tokens += len(step.token_ids)
                 checked = len(text)
                 text += detok.update(step.token_ids, finished=bool(step.finish_reason))
@@ -145,6 +207,10 @@ class Generator:
                 if match is not None:
                     text, finish = text[:match[1]], "stop"
                 end = len(text) if finish else max(sent, len(text) - hold_back)
+                if finish:
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.success.labels(self.config.model, finish).inc()
+                    self.metrics.generation_tokens.inc(num_tokens)
                 yield Delta(index, text[sent:end], step.token_ids, step.logprobs, finish, num_tokens,
                             step.cached_tokens)
                 sent = end
@@ -176,8 +242,13 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        dispatcher = Dispatcher(config.dispatch)
-        state["gen"] = Generator(config, tokenizer, dispatcher)
+        holder: list[RouterMetrics] = []
+        dispatcher = Dispatcher(config.dispatch,
+                                on_decision=lambda d: holder[0].decisions.labels(d).inc(),
+                                on_prefill_failure=lambda w: holder[0].prefill_failures.labels(w).inc())
+        holder.append(RouterMetrics(config.model, dispatcher.pools))
+        state["gen"] = Generator(config, tokenizer, dispatcher, holder[0])
+        dispatcher.start()
         try:
             yield
         finally:
@@ -185,10 +256,22 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     _add_error_handlers(app)
+    if config.api_key:
+        _require_api_key(app, config.api_key)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        """200 while at least one decode (or colocated) worker is healthy, else 503."""
+        gen = state["gen"]
+        pools = {p.role: {"healthy": len(p.healthy), "workers": len(p.workers)}
+                 for p in gen.dispatcher.pools}
+        ok = bool(gen.dispatcher.decode.healthy)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "pools": pools},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state["gen"].metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -217,6 +300,22 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
                               body.stop_strings, body.stream, body.include_usage, chat=True)
 
     return app
+
+
+def _require_api_key(app: FastAPI, api_key: str) -> None:
+    """`/v1/*` answers 401 without `Authorization: Bearer <api_key>` (as vLLM's --api-key);
+    `/health` and `/metrics` stay open for probes and scrapers."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next: Any) -> Response:
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer "
+                                        "<key>'", code="invalid_api_key").response()
+        response: Response = await call_next(request)
+        return response
 
 
 def _check_model(config: RouterConfig, model: str) -> None:
@@ -258,22 +357,50 @@ def _add_error_handlers(app: FastAPI) -> None:
 async def _respond(gen: Generator, model: str, request_id: str, ids: list[int], params: SamplingParams,
                    n: int, stops: list[str], stream: bool, include_usage: bool, chat: bool
                    ) -> JSONResponse | StreamingResponse:
-    deltas = gen.run(request_id, ids, params, n, stops)
+    admission = gen.admit()
+    streaming = False  # once the stream owns the admission, it releases it
     try:
-        first = await anext(deltas)
-    except grpc.RpcError as e:
-        await deltas.aclose()
-        raise _rpc_error(e) from e
-    if not stream:
-        async with aclosing(deltas):
-            collected = [first] + [d async for d in deltas]
+        gen.metrics.prompt_tokens.inc(len(ids))
+        deltas = gen.run(request_id, ids, params, n, stops)
+        try:
+            first = await anext(deltas)
+        except grpc.RpcError as e:
+            await deltas.aclose()
+            raise _rpc_error(e) from e
+        except NoWorkerError as e:
+            await deltas.aclose()
+            raise OpenAIError(503, f"{e}; retry later", code="worker_unavailable",
+                              headers={"Retry-After": str(gen.config.retry_after_s)}) from e
+        if stream:
+            streaming = True
+            body = _stream(gen, model, request_id, len(ids), n, first, deltas, include_usage, chat, admission)
+            return StreamingResponse(body, media_type="text/event-stream",
+                                     background=BackgroundTask(admission.release))
+        try:
+            async with aclosing(deltas):
+                collected = [first] + [d async for d in deltas]
+        except grpc.RpcError as e:
+            raise _rpc_error(e) from e
         return JSONResponse(_full_body(gen, model, request_id, len(ids), n, collected, chat))
-    return StreamingResponse(_stream(gen, model, request_id, len(ids), n, first, deltas, include_usage, chat),
-                             media_type="text/event-stream")
+    finally:
+        if not streaming:
+            admission.release()
 
 
 async def _stream(gen: Generator, model: str, request_id: str, prompt_len: int, n: int, first: Delta,
-                  deltas: AsyncGenerator[Delta, None], include_usage: bool, chat: bool) -> AsyncIterator[str]:
+                  deltas: AsyncGenerator[Delta, None], include_usage: bool, chat: bool,
+                  admission: Admission) -> AsyncIterator[str]:
+    try:
+        async for chunk in _stream_chunks(gen, model, request_id, prompt_len, n, first, deltas,
+                                          include_usage, chat):
+            yield chunk
+    finally:
+        admission.release()
+
+
+async def _stream_chunks(gen: Generator, model: str, request_id: str, prompt_len: int, n: int,
+                         first: Delta, deltas: AsyncGenerator[Delta, None], include_usage: bool,
+                         chat: bool) -> AsyncIterator[str]:
     finals: dict[int, Delta] = {}
     started: set[int] = set()
     try:

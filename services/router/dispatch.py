@@ -1,20 +1,23 @@
-"""Worker pools and the prefill -> decode dispatch of one sample.
+"""The prefill -> decode dispatch of one sample over the worker pools.
 
     dispatcher = Dispatcher(DispatchOptions(prefill=("127.0.0.1:50051",), decode=("127.0.0.1:50061",)))
+    dispatcher.start()  # in the event loop: background load / health refresh
     async for step in dispatcher.generate("r1", prompt_ids, params):
         ...  # step.token_ids, step.finish_reason, ...
 
 With prefill workers the prompt runs there first (its KV goes to the KV store) and the decode worker
 continues from `prompt + first token`. Without them (colocated mode) the decode worker runs it all.
-A failed prefill is retried on another prefill worker, then the decode worker computes the prompt.
+Conditional disaggregation: when the part of the prompt the chosen decode worker has likely not
+cached is at most `local_prefill_tokens`, the decode worker computes it (no transfer). A failed
+prefill is retried on another prefill worker, then the decode worker computes the prompt; a worker
+whose call fails as unreachable is marked unhealthy (see pool.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import cast
@@ -23,9 +26,14 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from protos import worker_pb2 as pb
-from services.worker.client import PrefillResult, WorkerClient
+from services.router.pool import Pick, Policy, PoolOptions, WorkerPool, is_down
+from services.router.prefix_index import block_hashes
+from services.worker.client import PrefillResult
 
 logger = logging.getLogger(__name__)
+
+class NoWorkerError(Exception):
+    """No healthy worker in a pool the request needs."""
 
 
 @dataclass(frozen=True)
@@ -35,13 +43,27 @@ class DispatchOptions:
     prefill_timeout_s: float = 60.0
     decode_timeout_s: float = 600.0
     load_timeout_s: float = 1.0
+    refresh_s: float = 0.1  # how often worker load and health are refreshed
     prefill_attempts: int = 2  # prefill workers tried before the decode worker computes the prompt
+    prefill_policy: Policy = "prefix_aware"
+    decode_policy: Policy = "prefix_aware"
+    local_prefill_tokens: int = 0  # uncached prompt tokens the decode worker computes itself; 0 = off
+    block_size: int = 16
 
     def __post_init__(self) -> None:
         if not self.decode:
             raise ValueError("decode: at least one decode (or colocated) worker is needed")
         if self.prefill_attempts < 1:
             raise ValueError(f"prefill_attempts: must be at least 1, got {self.prefill_attempts}")
+        if self.local_prefill_tokens < 0:
+            raise ValueError(f"local_prefill_tokens: must be >= 0, got {self.local_prefill_tokens}")
+        for name in ("prefill_timeout_s", "decode_timeout_s", "load_timeout_s", "refresh_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+
+    def pool_options(self, policy: Policy) -> PoolOptions:
+        return PoolOptions(policy=policy, refresh_s=self.refresh_s, load_timeout_s=self.load_timeout_s,
+                           block_size=self.block_size)
 
 
 @dataclass
@@ -54,62 +76,40 @@ class Step:
     cached_tokens: int = 0
 
 
-def load_score(load: pb.LoadReport) -> int:
-    return int(load.num_waiting) * 4 + int(load.num_running)
-
-
-class WorkerPool:
-    """Clients of the workers of one role; `pick` asks each for its load and takes the least loaded."""
-
-    def __init__(self, targets: Sequence[str], load_timeout_s: float) -> None:
-        self.clients = [WorkerClient(t) for t in targets]
-        self.load_timeout_s = load_timeout_s
-        self._inflight = dict.fromkeys(targets, 0)  # router-side count, breaks ties between refreshes
-
-    async def pick(self, exclude: frozenset[str] = frozenset()) -> WorkerClient | None:
-        candidates = [c for c in self.clients if c.target not in exclude]
-        if not candidates:
-            return None
-        scores = await asyncio.gather(*(self._score(c) for c in candidates))
-        return min(zip(scores, range(len(candidates)), candidates, strict=True))[2]
-
-    async def _score(self, client: WorkerClient) -> float:
-        try:
-            load = await asyncio.wait_for(client.load(), self.load_timeout_s)
-        except (grpc.RpcError, TimeoutError):
-            return float("inf")
-        return load_score(load) + self._inflight[client.target] / 1000
-
-    def acquire(self, client: WorkerClient) -> None:
-        self._inflight[client.target] += 1
-
-    def release(self, client: WorkerClient) -> None:
-        self._inflight[client.target] -= 1
-
-    async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self.clients))
-
-
 class Dispatcher:
-    """Runs one sample through a prefill worker and a decode worker (or one colocated worker)."""
+    """Runs one sample through a prefill worker and a decode worker (or one colocated worker).
+    `on_decision(name)` is told how each sample was dispatched (for metrics)."""
 
-    def __init__(self, options: DispatchOptions) -> None:
+    def __init__(self, options: DispatchOptions, on_decision: Callable[[str], None] | None = None,
+                 on_prefill_failure: Callable[[str], None] | None = None) -> None:
         self.options = options
-        self.prefill = WorkerPool(options.prefill, options.load_timeout_s) if options.prefill else None
-        self.decode = WorkerPool(options.decode, options.load_timeout_s)
+        self.prefill = (WorkerPool("prefill", options.prefill, options.pool_options(options.prefill_policy))
+                        if options.prefill else None)
+        role = "decode" if options.prefill else "colocated"
+        self.decode = WorkerPool(role, options.decode, options.pool_options(options.decode_policy))
+        self._on_decision = on_decision or _ignore
+        self._on_prefill_failure = on_prefill_failure or _ignore
+
+    @property
+    def pools(self) -> list[WorkerPool]:
+        return [p for p in (self.prefill, self.decode) if p is not None]
+
+    def start(self) -> None:
+        for pool in self.pools:
+            pool.start()
 
     async def close(self) -> None:
-        await self.decode.close()
-        if self.prefill is not None:
-            await self.prefill.close()
+        for pool in self.pools:
+            await pool.close()
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncGenerator[Step, None]:
         """The sample's tokens as they come. Closing the iterator early cancels the decode call."""
         assert params.max_tokens is not None
-        first = await self._prefill(request_id, prompt_ids, params)
+        hashes = block_hashes(prompt_ids, self.options.block_size)
+        first = await self._prefill(request_id, prompt_ids, params, hashes)
         if first is None:
-            async for step in self._decode(request_id, prompt_ids, params, None):
+            async for step in self._decode(request_id, prompt_ids, params, None, hashes):
                 yield step
             return
         done = params.max_tokens == 1 or first.finish_reason == "stop"
@@ -119,47 +119,78 @@ class Dispatcher:
             return
         rest = replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1))
         async for step in self._decode(request_id, [*prompt_ids, first.first_token_id], rest,
-                                       first.kv_transfer_params):
+                                       first.kv_transfer_params, hashes):
             step.cached_tokens = first.num_cached_tokens  # not the tokens loaded from the KV store
             yield step
 
-    async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> PrefillResult | None:
+    def _decode_pick(self, hashes: Sequence[int]) -> Pick:
+        pick = self.decode.pick(hashes)
+        if pick is None:
+            raise NoWorkerError(f"no healthy {self.decode.role} worker")
+        return pick
+
+    async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       hashes: Sequence[int]) -> PrefillResult | None:
         """The prefill's result, or None when the decode worker should compute the prompt."""
-        if self.prefill is None or params.logprobs is not None:  # Prefill returns no logprobs
+        if self.prefill is None:
+            self._on_decision("colocated")
             return None
+        if params.logprobs is not None:  # Prefill returns no logprobs: decode computes it all
+            self._on_decision("logprobs")
+            return None
+        if self.options.local_prefill_tokens:
+            uncached = len(prompt_ids) - self._decode_pick(hashes).matched_tokens
+            if uncached <= self.options.local_prefill_tokens:
+                self._on_decision("local_prefill")
+                return None
         tried: set[str] = set()
         for _ in range(self.options.prefill_attempts):
-            worker = await self.prefill.pick(frozenset(tried))
-            if worker is None:
+            pick = self.prefill.pick(hashes, frozenset(tried))
+            if pick is None:
                 break
+            worker = pick.worker
             tried.add(worker.target)
-            self.prefill.acquire(worker)
+            self.prefill.acquire(worker, hashes)
             try:
-                return await worker.prefill(request_id, prompt_ids, params, transfer_id=uuid.uuid4().hex,
-                                            timeout_s=self.options.prefill_timeout_s)
+                result = await worker.client.prefill(request_id, prompt_ids, params,
+                                                     transfer_id=uuid.uuid4().hex,
+                                                     timeout_s=self.options.prefill_timeout_s)
+                self._on_decision("disaggregated")
+                return result
             except grpc.RpcError as e:
                 if _code(e) == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
+                self._on_prefill_failure(worker.target)
+                if is_down(e):
+                    self.prefill.mark_failed(worker, e)
                 logger.warning("prefill of %s failed on %s: %s", request_id, worker.target, e)
             finally:
                 self.prefill.release(worker)
+        self._on_decision("fallback")
         return None
 
     async def _decode(self, request_id: str, ids: list[int], params: SamplingParams,
-                      kv_transfer_params: dict[str, object] | None) -> AsyncGenerator[Step, None]:
-        worker = await self.decode.pick()
-        assert worker is not None
-        self.decode.acquire(worker)
+                      kv_transfer_params: dict[str, object] | None, hashes: Sequence[int]
+                      ) -> AsyncGenerator[Step, None]:
+        worker = self._decode_pick(hashes).worker
+        self.decode.acquire(worker, hashes)
         try:
-            chunks = cast(AsyncGenerator[pb.DecodeChunk, None], worker.decode(
+            chunks = cast(AsyncGenerator[pb.DecodeChunk, None], worker.client.decode(
                 request_id, ids, params, kv_transfer_params, timeout_s=self.options.decode_timeout_s))
             async with aclosing(chunks):  # leaving early cancels the call, which aborts the request
                 async for chunk in chunks:
                     yield Step(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason,
                                chunk.usage.cached_tokens)
+        except grpc.RpcError as e:
+            if is_down(e):
+                self.decode.mark_failed(worker, e)
+            raise
         finally:
             self.decode.release(worker)
+
+
+def _ignore(_: str) -> None:
+    pass
 
 
 def _code(error: grpc.RpcError) -> grpc.StatusCode | None:

@@ -6,8 +6,6 @@ streams all finish; bad input is a 4xx OpenAI error naming the field."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -16,12 +14,12 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-import uvicorn
 
 from engine.sampling_params import SamplingParams
-from services.router.app import RouterConfig, create_app
+from services.router.app import RouterConfig
 from services.router.dispatch import DispatchOptions
 from services.worker.server import WorkerServer
+from tests.integration.services.router_util import ServedRouter, free_port
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -29,38 +27,6 @@ MODEL = "tiny"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 NEW_TOKENS = 8
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class ServedRouter:
-    """The router app under uvicorn in a background thread (its own event loop)."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> ServedRouter:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "router did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,187 @@
+"""The workers of one role (prefill, or decode / colocated) as the router sees them: their last load
+report, their health, the requests the router has sent them, and a prefix index each.
+
+A background task asks every worker for its load every `refresh_s` (with a timeout); a worker
+whose Load fails, or whose call fails with UNAVAILABLE (`mark_failed`), is unhealthy and gets no
+requests until a Load succeeds again. Picking never waits on the network.
+
+Policies:
+- "least_loaded": vLLM's score, waiting * 4 + running, from the last report plus the requests sent
+  since that report (so a burst between two reports spreads out).
+- "prefix_aware": among the workers whose score is within `balance_slack` of the least loaded,
+  the one whose prefix index matches the most leading prompt blocks (ties: least loaded). A hot
+  prefix stays on one worker until that worker is `balance_slack` busier than the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import grpc
+
+from protos import worker_pb2 as pb
+from services.router.prefix_index import PrefixIndex
+from services.worker.client import WorkerClient
+
+logger = logging.getLogger(__name__)
+
+Policy = Literal["least_loaded", "prefix_aware"]
+POLICIES: tuple[Policy, ...] = ("least_loaded", "prefix_aware")
+
+
+def load_score(load: pb.LoadReport) -> int:
+    return int(load.num_waiting) * 4 + int(load.num_running)
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    policy: Policy = "prefix_aware"
+    refresh_s: float = 0.1  # how often each worker's load is asked for
+    load_timeout_s: float = 1.0
+    balance_slack: float = 4.0  # score a worker may exceed the least loaded by and still win on prefix
+    block_size: int = 16  # the workers' KV block size (prefix index granularity)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
+        if self.refresh_s <= 0 or self.load_timeout_s <= 0 or self.balance_slack < 0:
+            raise ValueError("refresh_s and load_timeout_s must be > 0 and balance_slack >= 0")
+
+
+@dataclass
+class WorkerState:
+    client: WorkerClient
+    prefix: PrefixIndex
+    healthy: bool = True  # optimistic until the first report says otherwise
+    load: pb.LoadReport | None = None
+    sent_since_report: int = 0
+    inflight: int = 0  # router-side: dispatched and not finished
+    requests: int = 0  # dispatched in all
+    failures: int = 0
+    last_error: str = ""
+
+    @property
+    def target(self) -> str:
+        return self.client.target
+
+    @property
+    def score(self) -> float:
+        reported = load_score(self.load) if self.load is not None else 0
+        return reported + self.sent_since_report
+
+    @property
+    def waiting(self) -> int:
+        """Requests likely queued on the worker: reported waiting plus those sent since."""
+        return (int(self.load.num_waiting) if self.load is not None else 0) + self.sent_since_report
+
+
+@dataclass(frozen=True)
+class Pick:
+    worker: WorkerState
+    matched_tokens: int  # prompt tokens the worker has likely cached
+
+
+class WorkerPool:
+    def __init__(self, role: str, targets: Sequence[str], options: PoolOptions = PoolOptions()) -> None:
+        self.role = role
+        self.options = options
+        self.workers = [WorkerState(WorkerClient(t), PrefixIndex(options.block_size)) for t in targets]
+        self._task: asyncio.Task[None] | None = None
+
+    # --- background refresh -------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await asyncio.gather(*(w.client.close() for w in self.workers))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(self.options.refresh_s)
+
+    async def refresh(self) -> None:
+        """Asks every worker for its load once; updates health."""
+        await asyncio.gather(*(self._refresh_one(w) for w in self.workers))
+
+    async def _refresh_one(self, w: WorkerState) -> None:
+        try:
+            load = await asyncio.wait_for(w.client.load(), self.options.load_timeout_s)
+        except (grpc.RpcError, TimeoutError) as e:
+            self._set_unhealthy(w, f"load report failed: {_describe(e)}")
+            return
+        w.load, w.sent_since_report = load, 0
+        if not w.healthy:
+            logger.warning("%s worker %s is healthy again", self.role, w.target)
+            w.healthy, w.last_error = True, ""
+
+    def mark_failed(self, w: WorkerState, error: BaseException) -> None:
+        """A call to the worker failed in a way that says it is down (UNAVAILABLE, connection)."""
+        w.failures += 1
+        self._set_unhealthy(w, _describe(error))
+
+    def _set_unhealthy(self, w: WorkerState, why: str) -> None:
+        if w.healthy:
+            logger.warning("%s worker %s marked unhealthy: %s", self.role, w.target, why)
+            w.prefix.clear()  # a restarted worker has an empty cache
+        w.healthy, w.last_error = False, why
+
+    # --- choosing -----------------------------------------------------------------------------
+    @property
+    def healthy(self) -> list[WorkerState]:
+        return [w for w in self.workers if w.healthy]
+
+    def saturated(self, max_waiting: int) -> bool:
+        """True when every healthy worker already has `max_waiting` or more queued requests."""
+        healthy = self.healthy
+        return bool(healthy) and all(w.waiting >= max_waiting for w in healthy)
+
+    def pick(self, hashes: Sequence[int] = (), exclude: frozenset[str] = frozenset()) -> Pick | None:
+        """The worker for a prompt whose block hashes are `hashes`; None when none is healthy."""
+        cands = [w for w in self.workers if w.healthy and w.target not in exclude]
+        if not cands:
+            return None
+        best = min(w.score for w in cands)
+        if self.options.policy == "least_loaded" or not hashes:
+            w = min(cands, key=lambda w: (w.score, w.inflight))
+            return Pick(w, w.prefix.match(hashes))
+        near = [w for w in cands if w.score <= best + self.options.balance_slack]
+        matches = {w.target: w.prefix.match(hashes) for w in near}
+        w = min(near, key=lambda w: (-matches[w.target], w.score, w.inflight))
+        return Pick(w, matches[w.target])
+
+    def acquire(self, w: WorkerState, hashes: Sequence[int] = ()) -> None:
+        w.inflight += 1
+        w.requests += 1
+        w.sent_since_report += 1
+        if hashes:
+            w.prefix.insert(hashes)
+
+    def release(self, w: WorkerState) -> None:
+        w.inflight -= 1
+
+
+def is_down(error: BaseException) -> bool:
+    """Whether a failed call says the worker is unreachable (as opposed to a bad request)."""
+    if isinstance(error, grpc.RpcError):
+        code = error.code() if callable(getattr(error, "code", None)) else None
+        return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+    return isinstance(error, ConnectionError | OSError)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, grpc.RpcError) and callable(getattr(error, "details", None)):
+        return f"{error.code().name}: {error.details()}"
+    return f"{type(error).__name__}: {error}"
+

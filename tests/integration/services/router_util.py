@@ -1,0 +1,60 @@
+"""The router app under uvicorn in a background thread, for service tests, and a /metrics reader."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.router.app import RouterConfig, create_app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServedRouter:
+    """The router app under uvicorn in a background thread (its own event loop)."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServedRouter:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "router did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics by (name, sorted labels)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of the samples of `name` whose labels include `labels`."""
+        return sum(v for (n, ls), v in self.metrics().items()
+                   if n == name and all((k, val) in ls for k, val in labels.items()))

@@ -1,0 +1,164 @@
+"""The router's policies over real workers (tiny model, real KV store, real HTTP): API key,
+admission control (429 + Retry-After), /metrics with vLLM's names, /health without a decode
+worker, prefix-aware placement, and conditional disaggregation."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import pytest_asyncio
+
+from services.router.app import RouterConfig
+from services.router.dispatch import DispatchOptions
+from services.worker.server import WorkerServer
+from tests.integration.services.conftest import StartWorker
+from tests.integration.services.router_util import ServedRouter, free_port
+
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "tiny"
+# 70 tokens or so on the tiny model's tokenizer: several 16-token blocks to match.
+LONG = "The history of the city goes back many centuries, " * 6
+
+
+def config(model_dir: Path, dispatch: DispatchOptions, **kw: object) -> RouterConfig:
+    return RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, dispatch=dispatch,
+                        **kw)  # type: ignore[arg-type]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def second_colocated(start_worker: StartWorker) -> AsyncIterator[WorkerServer]:
+    server = await start_worker("colocated")
+    try:
+        yield server
+    finally:
+        await server.stop(grace_s=1.0)
+
+
+@in_module_loop
+async def test_api_key_guards_v1_but_not_health_or_metrics(workers: dict[str, WorkerServer],
+                                                           model_dir: Path) -> None:
+    dispatch = DispatchOptions(decode=(workers["colocated"].target,))
+    with ServedRouter(config(model_dir, dispatch, api_key="s3cret")) as served:
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="wrong", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError) as err:
+                await bad.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+            assert err.value.status_code == 401
+            body = err.value.body
+            assert isinstance(body, dict) and body["code"] == "invalid_api_key"
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"{served.base_url}/models")).status_code == 401
+            assert (await http.get(f"{served.url}/health")).status_code == 200
+            assert (await http.get(f"{served.url}/metrics")).status_code == 200
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="s3cret", max_retries=0) as good:
+            out = await good.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
+            assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+@in_module_loop
+async def test_admission_control_answers_429_with_retry_after_and_never_5xx(
+        workers: dict[str, WorkerServer], model_dir: Path) -> None:
+    """max_waiting=1 and a slow load refresh: of a burst, the first request is admitted and the
+    rest are refused until the next load report; none fails otherwise."""
+    dispatch = DispatchOptions(decode=(workers["colocated"].target,), refresh_s=1.0)
+    with ServedRouter(config(model_dir, dispatch, max_waiting=1)) as served:
+        await asyncio.sleep(0.3)  # the first load report is in
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+        async with httpx.AsyncClient(timeout=60) as http:
+            replies = await asyncio.gather(*(http.post(f"{served.base_url}/completions", json=body)
+                                             for _ in range(6)))
+            codes = sorted(r.status_code for r in replies)
+            assert codes[0] == 200 and 429 in codes and set(codes) <= {200, 429}, codes
+            refused = next(r for r in replies if r.status_code == 429)
+            assert refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "rate_limit_error"
+            assert "queued" in refused.json()["error"]["message"]
+            await asyncio.sleep(1.5)  # a fresh load report: the worker is idle again
+            assert (await http.post(f"{served.base_url}/completions", json=body)).status_code == 200
+        assert served.metric("pdserve:router_rejected_total") == codes.count(429)
+
+
+@in_module_loop
+async def test_metrics_follow_vllm_names_and_count_what_was_served(workers: dict[str, WorkerServer],
+                                                                   model_dir: Path) -> None:
+    dispatch = DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,))
+    with ServedRouter(config(model_dir, dispatch)) as served:
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0) as c:
+            outs = await asyncio.gather(*(c.completions.create(model=MODEL, prompt=f"Story {i}:",
+                                                               max_tokens=5, temperature=0)
+                                          for i in range(4)))
+            stream = await c.completions.create(model=MODEL, prompt="Count:", max_tokens=6,
+                                                temperature=0, stream=True)
+            async for _ in stream:
+                pass
+        generated = sum(o.usage.completion_tokens for o in outs if o.usage) + 6
+        prompts = sum(o.usage.prompt_tokens for o in outs if o.usage)
+        assert served.metric("vllm:generation_tokens_total") == generated
+        assert served.metric("vllm:prompt_tokens_total") > prompts  # plus the streamed prompt
+        assert served.metric("vllm:time_to_first_token_seconds_count") == 5
+        assert served.metric("vllm:e2e_request_latency_seconds_count") == 5
+        assert served.metric("vllm:inter_token_latency_seconds_count") >= 4  # tokens after the first
+        assert served.metric("vllm:request_success_total", finished_reason="length") == 5
+        assert served.metric("vllm:num_requests_running") == 0
+        assert served.metric("pdserve:router_decisions_total", decision="disaggregated") == 5
+        for role, w in (("prefill", workers["prefill"]), ("decode", workers["decode"])):
+            assert served.metric("pdserve:worker_healthy", worker=w.target, role=role) == 1
+            assert served.metric("pdserve:worker_requests_dispatched", worker=w.target, role=role) == 5
+
+
+@in_module_loop
+async def test_without_a_healthy_decode_worker_health_and_requests_answer_503(model_dir: Path) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    dispatch = DispatchOptions(decode=(dead,), refresh_s=0.1)
+    with ServedRouter(config(model_dir, dispatch)) as served:
+        async with httpx.AsyncClient(timeout=30) as http:
+            for _ in range(100):  # the first failed load report marks it unhealthy
+                health = await http.get(f"{served.url}/health")
+                if health.status_code == 503:
+                    break
+                await asyncio.sleep(0.05)
+            assert health.status_code == 503 and health.json()["pools"]["colocated"]["healthy"] == 0
+            r = await http.post(f"{served.base_url}/completions",
+                                json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == "worker_unavailable"
+
+
+@in_module_loop
+async def test_prefix_aware_sends_a_repeated_prompt_where_it_is_cached(
+        workers: dict[str, WorkerServer], second_colocated: WorkerServer, model_dir: Path) -> None:
+    targets = (workers["colocated"].target, second_colocated.target)
+    dispatch = DispatchOptions(decode=targets, decode_policy="prefix_aware")
+    with ServedRouter(config(model_dir, dispatch)) as served:
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0) as c:
+            cached = []
+            for i in range(4):
+                out = await c.completions.create(model=MODEL, prompt=LONG + f" Part {i}.",
+                                                 max_tokens=2, temperature=0)
+                assert out.usage is not None and out.usage.prompt_tokens_details is not None
+                cached.append(out.usage.prompt_tokens_details.cached_tokens)
+        counts = [served.metric("pdserve:worker_requests_dispatched", worker=t) for t in targets]
+        assert sorted(counts) == [0, 4], counts  # one worker got every request sharing the prefix
+        assert cached[0] == 0 and all(c and c >= 48 for c in cached[1:]), cached
+
+
+@in_module_loop
+async def test_conditional_disaggregation_computes_short_uncached_parts_on_decode(
+        workers: dict[str, WorkerServer], model_dir: Path) -> None:
+    """local_prefill_tokens=16: a new long prompt goes through the prefill worker; the same prompt
+    again has at most 16 uncached tokens on the decode worker, which then computes it itself."""
+    dispatch = DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,),
+                               local_prefill_tokens=16)
+    with ServedRouter(config(model_dir, dispatch)) as served:
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0) as c:
+            texts = [(await c.completions.create(model=MODEL, prompt=LONG + " Again.", max_tokens=6,
+                                                 temperature=0)).choices[0].text for _ in range(2)]
+        assert texts[0] == texts[1]
+        assert served.metric("pdserve:router_decisions_total", decision="disaggregated") == 1
+        assert served.metric("pdserve:router_decisions_total", decision="local_prefill") == 1
+        assert served.metric("pdserve:worker_requests_dispatched", role="prefill") == 1

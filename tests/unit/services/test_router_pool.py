@@ -1,0 +1,116 @@
+"""The router's worker choice without a network: prefix index matching, the least-loaded and
+prefix-aware policies over fabricated load reports, saturation, health marking."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from protos import worker_pb2 as pb
+from services.router.pool import PoolOptions, WorkerPool, is_down
+from services.router.prefix_index import PrefixIndex, block_hashes
+
+
+def test_block_hashes_chain_over_full_blocks_only() -> None:
+    a = block_hashes(list(range(40)), 16)
+    b = block_hashes([*range(32), 99, 98], 16)
+    assert len(a) == 2 and a == b  # the partial third block is not hashed
+    c = block_hashes([1000, *range(1, 40)], 16)
+    assert c[0] != a[0] and c[1] != a[1]  # a different first block changes every later hash
+
+
+def test_prefix_index_matches_leading_blocks_and_forgets_the_oldest() -> None:
+    idx = PrefixIndex(block_size=4, max_blocks=3)
+    idx.insert(block_hashes(list(range(8)), 4))  # 2 blocks
+    assert idx.match(block_hashes(list(range(12)), 4)) == 8
+    assert idx.match(block_hashes([5, *range(1, 12)], 4)) == 0
+    idx.insert(block_hashes([7, 7, 7, 7, 8, 8, 8, 8], 4))  # 2 more: the oldest block goes
+    assert len(idx) == 3
+    assert idx.match(block_hashes(list(range(8)), 4)) == 0  # its first block was evicted
+    idx.clear()
+    assert len(idx) == 0
+
+
+def report(waiting: int, running: int) -> pb.LoadReport:
+    return pb.LoadReport(num_waiting=waiting, num_running=running)
+
+
+async def make_pool(policy: str, loads: list[tuple[int, int]], slack: float = 4.0) -> WorkerPool:
+    pool = WorkerPool("decode", [f"127.0.0.1:{1 + i}" for i in range(len(loads))],
+                      PoolOptions(policy=policy, balance_slack=slack))  # type: ignore[arg-type]
+    for w, (waiting, running) in zip(pool.workers, loads, strict=True):
+        w.load = report(waiting, running)
+    return pool
+
+
+async def test_least_loaded_uses_vllms_score_and_counts_requests_sent_since_the_report() -> None:
+    pool = await make_pool("least_loaded", [(1, 0), (0, 3), (0, 5)])  # scores 4, 3, 5
+    try:
+        first = pool.pick()
+        assert first is not None and first.worker.target == "127.0.0.1:2"
+        pool.acquire(first.worker)
+        pool.acquire(first.worker)  # 3 + 2 sent since the report = 5 > 4
+        second = pool.pick()
+        assert second is not None and second.worker.target == "127.0.0.1:1"
+        w1 = pool.workers[0]
+        w1.load, w1.sent_since_report = report(0, 0), 0  # a fresh report resets the estimate
+        third = pool.pick()
+        assert third is not None and third.worker is w1
+    finally:
+        await pool.close()
+
+
+async def test_prefix_aware_keeps_a_prefix_on_its_worker_until_it_is_busier_by_the_slack() -> None:
+    pool = await make_pool("prefix_aware", [(0, 0), (0, 0)], slack=2)
+    hashes = block_hashes(list(range(64)), 16)
+    try:
+        pool.workers[1].prefix.insert(hashes)
+        picks = []
+        for _ in range(4):
+            pick = pool.pick(hashes)
+            assert pick is not None
+            picks.append((pick.worker.target, pick.matched_tokens))
+            pool.acquire(pick.worker, hashes)
+        # worker 2 holds the prefix: it wins while its score is within 2 of worker 1's (0, 1, 2),
+        # then worker 1 takes one (and from then on holds the prefix too).
+        assert picks == [("127.0.0.1:2", 64)] * 3 + [("127.0.0.1:1", 0)]
+        other = pool.pick(block_hashes(list(range(100, 164)), 16))
+        assert other is not None and other.matched_tokens == 0
+    finally:
+        await pool.close()
+
+
+async def test_unhealthy_workers_are_skipped_and_saturation_counts_healthy_ones_only() -> None:
+    pool = await make_pool("least_loaded", [(0, 0), (5, 0)])
+    try:
+        down = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                    grpc.aio.Metadata(), details="connection refused")
+        assert is_down(down)
+        assert not is_down(grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
+                                                grpc.aio.Metadata(), details="bad"))
+        pool.workers[0].prefix.insert([1, 2, 3])
+        pool.mark_failed(pool.workers[0], down)
+        assert not pool.workers[0].healthy and len(pool.workers[0].prefix) == 0
+        pick = pool.pick()
+        assert pick is not None and pick.worker is pool.workers[1]
+        assert pool.saturated(max_waiting=5) and not pool.saturated(max_waiting=6)
+        pool.mark_failed(pool.workers[1], down)
+        assert pool.pick() is None and not pool.saturated(max_waiting=1)
+    finally:
+        await pool.close()
+
+
+async def test_a_refresh_marks_an_unreachable_worker_unhealthy() -> None:
+    pool = WorkerPool("prefill", ["127.0.0.1:1"], PoolOptions(load_timeout_s=2.0))
+    try:
+        await pool.refresh()
+        assert not pool.workers[0].healthy and pool.workers[0].last_error
+    finally:
+        await pool.close()
+
+
+def test_pool_options_are_validated() -> None:
+    with pytest.raises(ValueError, match="policy"):
+        PoolOptions(policy="random")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="refresh_s"):
+        PoolOptions(refresh_s=0)
