@@ -15,7 +15,13 @@ import torch
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats
+from engine.core.outputs import (
+    STEP_SECONDS_BUCKETS,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineStats,
+    Histogram,
+)
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 
@@ -56,6 +62,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.step_seconds = Histogram.with_bounds(STEP_SECONDS_BUCKETS)  # steps that computed tokens
         if config.kv_connector is not None:
             from engine.connector.factory import make_kvstore_connector
 
@@ -79,10 +86,13 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
+        start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        if not scheduler_output.num_scheduled_tokens and not outputs.outputs:
+        if scheduler_output.num_scheduled_tokens:
+            self.step_seconds.observe(time.perf_counter() - start)
+        elif not outputs.outputs:
             time.sleep(0.001)  # only KV loads in flight: do not spin
         return outputs
 
@@ -90,7 +100,10 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> EngineStats:
+        """A snapshot (nothing in it changes when the core steps on)."""
         kv = self.kv_cache_manager
+        counters = self.scheduler.counters
+        connector = self.runner.connector
         return EngineStats(
             num_waiting=self.scheduler.num_waiting,
             num_running=self.scheduler.num_running,
@@ -101,6 +114,12 @@ class EngineCore:
             prefix_cache_hits=kv.stats.hits,
             block_size=self.config.block_size,
             max_model_len=self.config.model_len,
+            num_cached_blocks=kv.num_prefix_cached_blocks,
+            num_prompt_tokens=counters.prompt_tokens,
+            num_generation_tokens=counters.generation_tokens,
+            num_preemptions=counters.preemptions,
+            step_seconds=self.step_seconds.copy(),
+            kv_transfer=connector.get_transfer_stats() if connector is not None else None,
         )
 
     def reset_prefix_cache(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -115,6 +116,8 @@ def _add_worker(subparsers: Any) -> None:
     p.add_argument("--kv-store-url", default="grpc://127.0.0.1:50071")
     p.add_argument("--grace-s", type=float, default=10.0,
                    help="on SIGTERM, how long in-flight calls may finish")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
     _add_engine_args(p)
     p.set_defaults(func=_run_worker)
 
@@ -128,7 +131,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     engine = EngineConfig(**_engine_kwargs(args), kv_store_url=args.kv_store_url)
     port = args.port if args.port is not None else (50051 if args.role == "prefill" else 50061)
     asyncio.run(serve(WorkerOptions(role=args.role, engine=engine, host=args.host, port=port,
-                                    grace_s=args.grace_s)))
+                                    grace_s=args.grace_s, metrics_port=args.metrics_port)))
     return 0
 
 
@@ -145,6 +148,16 @@ def _add_router(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill-timeout-s", type=float, default=60.0)
     p.add_argument("--decode-timeout-s", type=float, default=600.0)
+    p.add_argument("--policy", choices=["prefix_aware", "least_loaded"], default="prefix_aware",
+                   help="how a worker is chosen in each pool")
+    p.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="prompts with at most this many uncached tokens skip the prefill pool "
+                        "(conditional disaggregation; 0 = always disaggregate)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="429 once every worker of a pool has this many queued requests")
+    p.add_argument("--max-inflight", type=int, default=4096, help="429 beyond this many requests")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run_router)
 
@@ -157,9 +170,11 @@ def _run_router(args: argparse.Namespace) -> int:
 
     dispatch = DispatchOptions(prefill=tuple(args.prefill), decode=tuple(args.decode),
                                prefill_timeout_s=args.prefill_timeout_s,
-                               decode_timeout_s=args.decode_timeout_s)
+                               decode_timeout_s=args.decode_timeout_s, prefill_policy=args.policy,
+                               decode_policy=args.policy, local_prefill_tokens=args.local_prefill_tokens)
     config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
-                          max_model_len=args.max_model_len, dispatch=dispatch)
+                          max_model_len=args.max_model_len, dispatch=dispatch, api_key=args.api_key,
+                          max_waiting=args.max_waiting, max_inflight=args.max_inflight)
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level.lower())
     return 0
 

@@ -11,7 +11,8 @@ Scheduler half (inside the scheduler; no tensors, no torch):
 
 Worker half (around the forward pass): `register_kv_caches`, `bind_connector_metadata`,
 `start_load_kv`, `wait_for_layer_load(layer)`, `save_kv_layer(layer, kv_cache)`,
-`wait_for_save`, `get_finished(finished_ids)`, `clear_connector_metadata`.
+`wait_for_save`, `get_finished(finished_ids)`, `clear_connector_metadata`; optionally
+`get_transfer_stats()` (load / save times and bytes, for metrics).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.core.outputs import SchedulerOutput
+    from engine.core.outputs import KVTransferStats, SchedulerOutput
     from engine.core.request import Request
 
 
@@ -92,6 +93,10 @@ class KVConnectorWorker(abc.ABC):
 
     @abc.abstractmethod
     def clear_connector_metadata(self) -> None: ...
+
+    def get_transfer_stats(self) -> KVTransferStats | None:
+        """Optional: a snapshot of the KV moved so far (safe to call while transfers run)."""
+        return None
 
     def shutdown(self) -> None:  # noqa: B027
         """Optional: stop background threads."""

@@ -26,6 +26,7 @@ import torch
 
 from engine.connector.base import KVConnectorOutput, KVConnectorWorker
 from engine.connector.kvstore_meta import KVStoreConnectorMetadata, LoadSpec
+from engine.core.outputs import KVTransferStats
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ def scatter_tokens(kv_cache: torch.Tensor, block_ids: list[int], start: int,
 class _LoadState:
     valid: int  # tokens from the start still valid (lowered by a bad object)
     error: str | None = None
+    nbytes: int = 0  # KV payload received
 
 
 @dataclass
@@ -83,6 +85,8 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self.stream_layers = stream_layers
         self._held: list[tuple[str, bytes, Any]] = []
         self.timings = WorkerTimings()
+        self._stats = KVTransferStats()
+        self._stats_lock = threading.Lock()  # loader, layer loader and sender threads update it
         self._send_client = make_client()
         self._load_client = make_client()
         self.kv_caches: list[torch.Tensor] = []
@@ -136,11 +140,15 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             items = self._queue.get()
             if items is None:
                 return
+            start = time.perf_counter()
+            failed = False
             try:
                 self._send_client.put(items)
             except Exception as exc:
+                failed = True
                 self.send_errors += 1
                 logger.warning("saving %d KV objects failed: %s", len(items), exc)
+            self._record_save(items, time.perf_counter() - start, failed)
             with self._sent:
                 self._unsent -= 1
                 self._sent.notify_all()
@@ -174,17 +182,14 @@ class KVStoreConnectorWorker(KVConnectorWorker):
     def _load(self, spec: LoadSpec) -> tuple[int, str | None]:
         """Loads layer by layer; returns (tokens valid from the start, first error or None)."""
         start = time.perf_counter()
-        try:
-            return self._load_layers(spec)
-        except Exception as exc:  # store unreachable etc.: nothing loaded
-            return spec.start, f"loading from the KV store failed: {exc}"
-        finally:
-            self.timings.record_load(spec.req_id, time.perf_counter() - start)
-
-    def _load_layers(self, spec: LoadSpec) -> tuple[int, str | None]:
         state = _LoadState(spec.end)
-        for layer in range(len(self.kv_caches)):
-            self._load_layer(spec, layer, state)
+        try:
+            for layer in range(len(self.kv_caches)):
+                self._load_layer(spec, layer, state)
+        except Exception as exc:  # store unreachable etc.: nothing loaded
+            state.valid, state.error = spec.start, f"loading from the KV store failed: {exc}"
+        finally:
+            self._record_load(spec, state, time.perf_counter() - start)
         return max(state.valid, spec.start), state.error
 
     def _load_layer(self, spec: LoadSpec, layer: int, state: _LoadState,
@@ -199,6 +204,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         width = kv.shape[3] * kv.shape[4]
         client = client if client is not None else self._load_client
         objs = client.get([f"{spec.chunk_keys[c]}@{layer}" for c in chunks])
+        state.nbytes += sum(len(obj.data) for obj in objs if obj is not None)
         for c, obj in zip(chunks, objs, strict=True):
             lo, hi = max(spec.start, c * cs), min(spec.end, (c + 1) * cs)
             if hi <= lo or lo >= state.valid:
@@ -245,7 +251,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                         state.error = state.error or f"loading from the KV store failed: {exc}"
                 event.set()
             for spec in specs:
-                self.timings.record_load(spec.req_id, time.perf_counter() - start)
+                self._record_load(spec, states[spec.req_id], time.perf_counter() - start)
 
         self._layer_loader.submit(run)
 
@@ -269,6 +275,28 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                 out.valid_loaded_tokens[req_id] = valid
                 out.load_errors[req_id] = error or "incomplete load"
         return out
+
+    # --- stats ----------------------------------------------------------------------------
+    def _record_load(self, spec: LoadSpec, state: _LoadState, seconds: float) -> None:
+        self.timings.record_load(spec.req_id, seconds)
+        failed = state.error is not None or state.valid < spec.end
+        with self._stats_lock:
+            self._stats.load_seconds.observe(seconds)
+            self._stats.load_bytes += state.nbytes
+            self._stats.load_failures += failed
+
+    def _record_save(self, items: list[tuple[str, bytes, Any]], seconds: float, failed: bool) -> None:
+        nbytes = sum(len(meta) + memoryview(data).nbytes for _, meta, data in items)
+        with self._stats_lock:
+            self._stats.save_seconds.observe(seconds)
+            if failed:
+                self._stats.save_failures += 1
+            else:
+                self._stats.save_bytes += nbytes
+
+    def get_transfer_stats(self) -> KVTransferStats:
+        with self._stats_lock:
+            return self._stats.copy()
 
     @property
     def has_pending_loads(self) -> bool:

@@ -61,6 +61,11 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    @property
+    def num_prefix_cached_blocks(self) -> int:
+        """Blocks a later request can hit: full blocks recorded under their hash."""
+        return len(self.block_pool.cached_block_hash_to_block)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks at the start of the request, and its token count.
 

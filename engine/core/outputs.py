@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import bisect
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,16 +129,89 @@ class ModelRunnerOutput:
     kv_connector_output: Any = None  # engine.connector.base.KVConnectorOutput, or None
 
 
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+                        5.0, 10.0)
+KV_TRANSFER_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass
+class Histogram:
+    """Observations counted in fixed buckets since start-up (what a Prometheus histogram holds).
+
+    `counts[i]` counts values in (bounds[i-1], bounds[i]]; the last entry counts values above
+    the last bound. `observe` costs one bisect and three adds.
+    """
+
+    bounds: list[float]
+    counts: list[int]
+    total: float = 0.0  # sum of the observed values
+    count: int = 0
+
+    @classmethod
+    def with_bounds(cls, bounds: tuple[float, ...] | list[float]) -> Histogram:
+        return cls(list(bounds), [0] * (len(bounds) + 1))
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def copy(self) -> Histogram:
+        return Histogram(list(self.bounds), list(self.counts), self.total, self.count)
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations <= it) per bucket, the last bound being +inf."""
+        out, running = [], 0
+        for bound, n in zip([*self.bounds, math.inf], self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+def _step_histogram() -> Histogram:
+    return Histogram.with_bounds(STEP_SECONDS_BUCKETS)
+
+
+def _transfer_histogram() -> Histogram:
+    return Histogram.with_bounds(KV_TRANSFER_SECONDS_BUCKETS)
+
+
+@dataclass
+class KVTransferStats:
+    """KV moved by a connector's worker half since start-up.
+
+    A load is one request's KV arriving (every layer); a save is one put of KV objects to the
+    store (one layer of a step's new chunks when streaming layers). Bytes count the KV payload.
+    """
+
+    load_seconds: Histogram = field(default_factory=_transfer_histogram)
+    save_seconds: Histogram = field(default_factory=_transfer_histogram)
+    load_bytes: int = 0
+    save_bytes: int = 0
+    load_failures: int = 0  # loads that ended short or with an error
+    save_failures: int = 0  # puts the store refused or that did not reach it
+
+    def copy(self) -> KVTransferStats:
+        return KVTransferStats(self.load_seconds.copy(), self.save_seconds.copy(), self.load_bytes,
+                               self.save_bytes, self.load_failures, self.save_failures)
+
+
 @dataclass
 class EngineStats:
-    """A snapshot of the engine's queues and KV cache."""
+    """A snapshot of the engine's queues and KV cache, and its counters since start-up."""
 
     num_waiting: int
     num_running: int
     num_free_blocks: int
     num_total_blocks: int  # usable blocks (the null block excluded)
     kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
+    prefix_cache_queries: int  # tokens looked up
+    prefix_cache_hits: int  # tokens found
     block_size: int = 16
     max_model_len: int = 0
+    num_cached_blocks: int = 0  # blocks findable in the prefix cache (in use or free)
+    num_prompt_tokens: int = 0  # prompts of requests that produced a first token
+    num_generation_tokens: int = 0
+    num_preemptions: int = 0
+    step_seconds: Histogram = field(default_factory=_step_histogram)  # steps that computed tokens
+    kv_transfer: KVTransferStats | None = None  # None without a KV connector

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
@@ -29,6 +30,15 @@ from engine.core.stop_check import check_stop
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorOutput, KVConnectorScheduler
+
+
+@dataclass
+class SchedulerCounters:
+    """Totals since start-up, for metrics (a few integer adds per step)."""
+
+    prompt_tokens: int = 0  # prompts of requests that produced their first token
+    generation_tokens: int = 0
+    preemptions: int = 0
 
 
 class Scheduler:
@@ -57,6 +67,7 @@ class Scheduler:
         self._rollback: set[str] = set()  # their load failed: discard the step, recompute
         self._no_external: set[str] = set()  # recompute these without the connector
         self._load_end: dict[str, int] = {}  # async loads: tokens computed once the load is in
+        self.counters = SchedulerCounters()
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -163,6 +174,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.times.num_preemptions += 1
+        self.counters.preemptions += 1
         self.waiting.prepend(victim)
         return victim
 
@@ -378,7 +390,9 @@ class Scheduler:
                 continue
             if request.num_output_tokens == 0:
                 request.times.first_token_time = now
+                self.counters.prompt_tokens += request.num_prompt_tokens
             request.append_output_token_ids(token_ids)
+            self.counters.generation_tokens += len(token_ids)
             out = EngineCoreOutput(req_id, list(token_ids), [lp] if lp is not None else None)
             if check_stop(request, self.max_model_len):
                 self.running.remove(request)

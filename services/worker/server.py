@@ -4,7 +4,8 @@ the `pdserve.worker.v1.Worker` service and the standard gRPC health service.
 Roles: "prefill" runs its engine as a KV producer and offers Prefill; "decode" runs a KV consumer
 and offers Decode; "colocated" has no connector and offers Decode, computing the whole prompt.
 The servicer is a thin adapter: it validates, converts (convert.py), and maps engine errors to
-status codes. Cancelling a call aborts its engine request.
+status codes. Cancelling a call aborts its engine request. With `metrics_port` set, the worker
+also serves Prometheus metrics over HTTP (services/worker/metrics.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.core.outputs import EngineStats
 from engine.core_client import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -32,6 +34,7 @@ from services.worker.convert import (
     params_from_proto,
     token_ids_from_proto,
 )
+from services.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ _KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {
     "prefill": "kv_producer", "decode": "kv_consumer"}
 _PROTO_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
 T = TypeVar("T")
+SCRAPE_STATS_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -53,12 +57,15 @@ class WorkerOptions:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port
     grace_s: float = 10.0  # how long shutdown waits for in-flight calls
+    metrics_port: int | None = None  # Prometheus /metrics on `host`; None = off, 0 = any free port
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be non-negative, got {self.grace_s}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -135,7 +142,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         stats = await engine.get_stats()
         return pb.LoadReport(num_waiting=stats.num_waiting, num_running=stats.num_running,
                              kv_usage=stats.kv_usage, role=_PROTO_ROLES[self.role],
-                             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks)
+                             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+                             prefix_cache_queries=stats.prefix_cache_queries,
+                             prefix_cache_hits=stats.prefix_cache_hits,
+                             num_cached_blocks=stats.num_cached_blocks)
 
     async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -191,7 +201,12 @@ class WorkerServer:
         self.options = options
         self.servicer = WorkerServicer(options.role)
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server()
+        self.metrics: WorkerMetrics | None = None
+        self.metrics_port: int | None = None  # the bound port, once started
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if options.metrics_port is not None:
+            self.metrics = WorkerMetrics(options.engine.model, options.role, self._stats_for_scrape)
+        self.server = grpc.aio.server(interceptors=[self.metrics.interceptor] if self.metrics else None)
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
@@ -205,11 +220,16 @@ class WorkerServer:
     async def start(self) -> None:
         """Listens at once (health NOT_SERVING), builds the engine, then reports SERVING."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._loop = asyncio.get_running_loop()
         await self.server.start()
         try:
+            if self.metrics is not None and self.options.metrics_port is not None:
+                self.metrics_port = self.metrics.start_http(self.options.host, self.options.metrics_port)
             engine = await asyncio.to_thread(AsyncLLM, self.options.engine_config, True)
         except BaseException:
             await self.server.stop(None)
+            if self.metrics is not None:
+                self.metrics.stop_http()
             raise
         self.servicer.engine = engine
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -220,9 +240,25 @@ class WorkerServer:
         cancels them, which aborts their requests), and shuts the engine down."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.options.grace_s if grace_s is None else grace_s)
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.stop_http)
         engine, self.servicer.engine = self.servicer.engine, None
         if engine is not None:
             engine.shutdown()
+
+    def _stats_for_scrape(self) -> EngineStats | None:
+        """Called in the metrics thread: the engine's stats, fetched on the event loop (which
+        only awaits them), or None when there is no engine or it does not answer in time."""
+        engine, loop = self.servicer.engine, self._loop
+        if engine is None or engine.errored or loop is None or loop.is_closed():
+            return None
+        future = asyncio.run_coroutine_threadsafe(engine.get_stats(), loop)
+        try:
+            return future.result(timeout=SCRAPE_STATS_TIMEOUT_S)
+        except Exception as e:  # the engine died, the loop stopped, or the core is stuck
+            future.cancel()
+            logger.warning("metrics scrape got no engine stats: %r", e)
+            return None
 
     async def wait_closed(self) -> None:
         await self.server.wait_for_termination()
@@ -243,5 +279,7 @@ async def serve(options: WorkerOptions) -> None:
         loop.add_signal_handler(sig, stopping.set)
     await server.start()
     print(f"pdserve {options.role} worker listening on {server.target}", flush=True)
+    if server.metrics_port is not None:
+        print(f"metrics on http://{options.host}:{server.metrics_port}/metrics", flush=True)
     await stopping.wait()
     await server.stop()

@@ -136,7 +136,9 @@ async def test_cancelled_stream_aborts_and_frees_its_blocks(
             received += len(chunk.token_ids)
             if received >= 2:
                 break  # leaving the stream cancels the call
-        assert await wait_idle(client) == before
+        after = await wait_idle(client)  # prefix-cache counters only grow: compare the rest
+        assert (after.num_free_blocks, after.num_running, after.num_waiting) == \
+            (before.num_free_blocks, before.num_running, before.num_waiting)
 
 
 @in_module_loop
