@@ -9,6 +9,7 @@ workers that prefill and decode themselves behind the same router, for compariso
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -38,6 +39,14 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--metrics-port-offset", type=int, default=1000,
+                   help="each worker serves Prometheus /metrics on its gRPC port + this (0 = off); "
+                        "the router's is at /metrics")
+    p.add_argument("--policy", choices=["prefix_aware", "least_loaded"], default="prefix_aware")
+    p.add_argument("--local-prefill-tokens", type=int, default=0,
+                   help="prompts with at most this many uncached tokens skip the prefill pool")
+    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
     p.set_defaults(func=run_up)
 
 
@@ -46,9 +55,9 @@ class Launcher:
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, argv: list[str]) -> None:
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=_die_with_parent, env=env)
         self.procs.append((name, proc))
 
     def check_alive(self) -> None:
@@ -64,15 +73,25 @@ class Launcher:
             time.sleep(0.2)
 
     def stop(self) -> None:
-        for _, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for _, proc in reversed(self.procs):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+        """Stops the router first (no new requests), then the workers (they drain), then the
+        store; each bounded in time."""
+        groups = [[p for n, p in self.procs if n == "router"],
+                  [p for n, p in self.procs if n not in ("router", "kvstore")],
+                  [p for n, p in self.procs if n == "kvstore"]]
+        for group in groups:
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+
+
+def _metrics_args(args: argparse.Namespace, grpc_port: int) -> list[str]:
+    return ["--metrics-port", str(grpc_port + args.metrics_port_offset)] if args.metrics_port_offset else []
 
 
 def _die_with_parent() -> None:
@@ -138,30 +157,36 @@ def run_up(args: argparse.Namespace) -> int:
                 target = f"{h}:{args.prefill_port + i}"
                 launcher.start(f"prefill-{i}", ["worker", "--role", "prefill", "--host", h, "--port",
                                                 str(args.prefill_port + i), "--kv-store-url", store,
-                                                *engine_args])
+                                                *_metrics_args(args, args.prefill_port + i), *engine_args])
                 prefill.append(target)
         role = "colocated" if args.colocated else "decode"
         for i in range(args.decode):
             target = f"{h}:{args.decode_port + i}"
             launcher.start(f"{role}-{i}", ["worker", "--role", role, "--host", h, "--port",
                                            str(args.decode_port + i), "--kv-store-url", store,
-                                           *engine_args])
+                                           *_metrics_args(args, args.decode_port + i), *engine_args])
             decode.append(target)
         for target in prefill + decode:
             launcher.wait(f"worker {target}", lambda t=target: _grpc_serving(t), deadline)
         router = ["router", "--model", args.model, "--tokenizer", folder, "--host", h,
-                  "--port", str(args.port)]
+                  "--port", str(args.port), "--policy", args.policy,
+                  "--local-prefill-tokens", str(args.local_prefill_tokens)]
         for target in prefill:
             router += ["--prefill", target]
         for target in decode:
             router += ["--decode", target]
         if args.max_model_len is not None:
             router += ["--max-model-len", str(args.max_model_len)]
-        launcher.start("router", router)
+        env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None
+        launcher.start("router", router, env)  # the key goes by environment, not argv (ps shows argv)
         launcher.wait("router", lambda: _http_ok(f"http://{h}:{args.port}/health"), deadline)
         mode = "colocated" if args.colocated else f"{len(prefill)} prefill + {len(decode)} decode"
         print(f"pdserve is up ({mode}, model {args.model}): OpenAI API at http://{h}:{args.port}/v1 "
               f"- Ctrl-C stops everything", flush=True)
+        if args.metrics_port_offset:
+            ports = [int(t.rsplit(":", 1)[1]) + args.metrics_port_offset for t in prefill + decode]
+            print(f"metrics: http://{h}:{args.port}/metrics (router); worker /metrics on ports "
+                  f"{', '.join(map(str, ports))}", flush=True)
         while not stop.wait(0.5):
             launcher.check_alive()
         return 0

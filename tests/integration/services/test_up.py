@@ -35,11 +35,12 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
     from engine.sampling_params import SamplingParams
 
     model = tiny_model_dir("llama")
-    router, store, prefill, decode = free_ports(4)
+    router, store, prefill, decode, metrics = free_ports(5)
+    offset = metrics - decode  # the decode (or colocated) worker's /metrics lands on a free port
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(router),
             "--kvstore-port", str(store), "--prefill-port", str(prefill), "--decode-port", str(decode),
             "--num-threads", "1", "--kv-cache-gib", "0.05", "--max-model-len", "512",
-            "--startup-timeout-s", "180"]
+            "--startup-timeout-s", "180", "--metrics-port-offset", str(offset)]
     if colocated:
         argv.append("--colocated")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -57,10 +58,16 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
         want = LLM(model=str(model), num_threads=1, kv_cache_gib=0.05).generate(
             ["The quick brown fox"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)
         assert got.choices[0].text == want[0].outputs[0].text
+        import httpx
+
+        worker_metrics = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=10).text
+        assert "vllm:generation_tokens_total" in worker_metrics
+        router_metrics = httpx.get(f"http://127.0.0.1:{router}/metrics", timeout=10).text
+        assert "vllm:time_to_first_token_seconds_count" in router_metrics
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
         time.sleep(0.5)
-        for port in (router, store, prefill, decode):
+        for port in (router, store, prefill, decode, metrics):
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open"
     finally:
