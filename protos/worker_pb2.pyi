@@ -61,16 +61,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "kv_transfer_params_json", "num_cached_tokens")
+    __slots__ = ("first_token_id", "finish_reason", "kv_transfer_params_json", "num_cached_tokens", "first_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: str
     kv_transfer_params_json: str
     num_cached_tokens: int
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    first_logprobs: PositionLogprobs
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "params", "kv_transfer_params_json")

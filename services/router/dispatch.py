@@ -113,7 +113,8 @@ class Dispatcher:
                 yield step
             return
         done = params.max_tokens == 1 or first.finish_reason == "stop"
-        yield Step([first.first_token_id], finish_reason=(first.finish_reason or "length") if done else "",
+        yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
+                   finish_reason=(first.finish_reason or "length") if done else "",
                    cached_tokens=first.num_cached_tokens)
         if done:
             return
@@ -134,9 +135,6 @@ class Dispatcher:
         """The prefill's result, or None when the decode worker should compute the prompt."""
         if self.prefill is None:
             self._on_decision("colocated")
-            return None
-        if params.logprobs is not None:  # Prefill returns no logprobs: decode computes it all
-            self._on_decision("logprobs")
             return None
         if self.options.local_prefill_tokens:
             uncached = len(prompt_ids) - self._decode_pick(hashes).matched_tokens

@@ -47,7 +47,7 @@ class RouterMetrics:
                              registry=r).labels(model)
         self.decisions = Counter("pdserve:router_decisions", "How each sample was dispatched: "
                                  "disaggregated, local_prefill (short uncached part), fallback "
-                                 "(prefill failed), colocated, logprobs (run on decode).",
+                                 "(prefill failed), colocated.",
                                  ["decision"], registry=r)
         self.rejected = Counter("pdserve:router_rejected", "Requests refused by admission control.",
                                 ["reason"], registry=r)

@@ -35,6 +35,7 @@ class PrefillResult:
     finish_reason: str
     kv_transfer_params: dict[str, Any] | None
     num_cached_tokens: int
+    logprobs: pb.PositionLogprobs | None = None  # the first token's, when asked for
 
 
 class WorkerClient:
@@ -62,7 +63,9 @@ class WorkerClient:
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
             transfer_id=transfer_id), timeout=timeout_s)
         kv = json.loads(reply.kv_transfer_params_json) if reply.kv_transfer_params_json else None
-        return PrefillResult(reply.first_token_id, reply.finish_reason, kv, reply.num_cached_tokens)
+        logprobs = reply.first_logprobs if reply.HasField("first_logprobs") else None
+        return PrefillResult(reply.first_token_id, reply.finish_reason, kv, reply.num_cached_tokens,
+                             logprobs)
 
     async def decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,

@@ -55,12 +55,16 @@ def token_ids_from_proto(token_ids: Any) -> list[int]:
     return ids
 
 
+def position_to_proto(position: dict[int, Any]) -> pb.PositionLogprobs:
+    """One position's logprobs (the sampled token first, then the top candidates)."""
+    return pb.PositionLogprobs(candidates=[pb.Logprob(token_id=t, logprob=lp.logprob, rank=lp.rank or 0)
+                                           for t, lp in position.items()])
+
+
 def chunk_from_output(sample: CompletionOutput) -> pb.DecodeChunk:
     """A DecodeChunk of one DELTA output (no usage; the server adds it to the last chunk)."""
     chunk = pb.DecodeChunk(token_ids=sample.token_ids, finish_reason=sample.finish_reason or "")
-    for position in sample.logprobs or []:
-        chunk.logprobs.add(candidates=[pb.Logprob(token_id=t, logprob=lp.logprob, rank=lp.rank or 0)
-                                       for t, lp in position.items()])
+    chunk.logprobs.extend(position_to_proto(position) for position in sample.logprobs or [])
     if isinstance(sample.stop_reason, int):
         chunk.stop_token_id = sample.stop_reason
     elif isinstance(sample.stop_reason, str):

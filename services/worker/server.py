@@ -32,6 +32,7 @@ from services.worker.convert import (
     chunk_from_output,
     kv_params_from_json,
     params_from_proto,
+    position_to_proto,
     token_ids_from_proto,
 )
 from services.worker.metrics import WorkerMetrics
@@ -101,10 +102,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         sample = final.outputs[0]
         if not sample.token_ids:  # aborted before its first token (Abort, or a KV store failure)
             await _fail(context, grpc.StatusCode.ABORTED, f"prefill ended: {sample.stop_reason or 'abort'}")
-        return pb.PrefillResponse(
+        reply = pb.PrefillResponse(
             first_token_id=sample.token_ids[0], finish_reason=sample.finish_reason or "",
             kv_transfer_params_json=_json(final.kv_transfer_params),
             num_cached_tokens=final.num_cached_tokens or 0)
+        if sample.logprobs:
+            reply.first_logprobs.CopyFrom(position_to_proto(sample.logprobs[0]))
+        return reply
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.DecodeChunk]:

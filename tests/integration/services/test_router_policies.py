@@ -162,3 +162,26 @@ async def test_conditional_disaggregation_computes_short_uncached_parts_on_decod
         assert served.metric("pdserve:router_decisions_total", decision="disaggregated") == 1
         assert served.metric("pdserve:router_decisions_total", decision="local_prefill") == 1
         assert served.metric("pdserve:worker_requests_dispatched", role="prefill") == 1
+
+
+@in_module_loop
+async def test_disaggregated_logprobs_equal_colocated_ones(workers: dict[str, WorkerServer],
+                                                           model_dir: Path) -> None:
+    """The first token's logprobs come from the prefill worker, the rest from decode; together
+    they equal what one colocated worker computes."""
+    split = DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,))
+    alone = DispatchOptions(decode=(workers["colocated"].target,))
+    got = []
+    for dispatch in (split, alone):
+        with ServedRouter(config(model_dir, dispatch)) as served:
+            async with openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0) as c:
+                out = await c.completions.create(model=MODEL, prompt="Logprobs of this prompt",
+                                                 max_tokens=5, temperature=0, logprobs=3)
+                got.append(out.choices[0].logprobs)
+            if dispatch is split:
+                assert served.metric("pdserve:router_decisions_total", decision="disaggregated") == 1
+    (a, b) = got
+    assert a is not None and b is not None and a.tokens == b.tokens and len(a.tokens or []) == 5
+    assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    for pa, pb_ in zip(a.top_logprobs or [], b.top_logprobs or [], strict=True):
+        assert pa.keys() == pb_.keys() and list(pa.values()) == pytest.approx(list(pb_.values()), abs=1e-4)
