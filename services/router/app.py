@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import time
 import uuid
@@ -89,6 +90,7 @@ class Delta:
     finish_reason: str | None
     completion_tokens: int
     cached_tokens: int
+    text_offset: int = 0  # characters of this sample's token strings before this delta's tokens
 
 
 class Admission:
@@ -191,7 +193,7 @@ class Generator:
                       stops: list[str]) -> AsyncGenerator[Delta, None]:
         detok = IncrementalDetokenizer(self.tokenizer)
         hold_back = max((len(s) for s in stops), default=1) - 1
-        text, sent, num_tokens = "", 0, 0
+        text, sent, num_tokens, token_chars = "", 0, 0, 0
         start = last = time.perf_counter()
         async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params)) as steps:
             async for step in steps:
@@ -212,7 +214,9 @@ class Generator:
                     self.metrics.success.labels(self.config.model, finish).inc()
                     self.metrics.generation_tokens.inc(num_tokens)
                 yield Delta(index, text[sent:end], step.token_ids, step.logprobs, finish, num_tokens,
-                            step.cached_tokens)
+                            step.cached_tokens, token_chars)
+                if step.logprobs:  # completions' logprobs.text_offset continues from here
+                    token_chars += sum(len(decode_token(self.tokenizer, t)) for t in step.token_ids)
                 sent = end
                 if finish:
                     return  # leaving the loop early cancels the decode call
@@ -433,7 +437,7 @@ def _full_body(gen: Generator, model: str, request_id: str, prompt_len: int, n: 
         mine = [d for d in deltas if d.index == i]
         merged = Delta(i, "".join(d.text for d in mine), [t for d in mine for t in d.token_ids],
                        [lp for d in mine for lp in d.logprobs], mine[-1].finish_reason,
-                       mine[-1].completion_tokens, mine[0].cached_tokens)
+                       mine[-1].completion_tokens, mine[0].cached_tokens, mine[0].text_offset)
         choices.append(_choice(gen, merged, merged.text, chat, stream=False))
     finals = [d for d in deltas if d.finish_reason]
     return completion_body(request_id, model, choices, _usage(prompt_len, finals), chat=chat)
@@ -468,4 +472,6 @@ def _logprobs(gen: Generator, delta: Delta, chat: bool) -> dict[str, Any]:
                                               for s, v in top]}
                             for (t, _), lp, top in zip(positions, sampled, tops, strict=True)]}
     return {"tokens": [t for t, _ in positions], "token_logprobs": sampled,
-            "top_logprobs": [dict(top) for top in tops], "text_offset": []}
+            "top_logprobs": [dict(top) for top in tops],
+            "text_offset": list(itertools.accumulate((len(t) for t, _ in positions[:-1]),
+                                                     initial=delta.text_offset)) if positions else []}

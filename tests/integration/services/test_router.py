@@ -183,6 +183,14 @@ async def test_logprobs_come_one_per_token(client: openai.AsyncOpenAI, offline: 
     assert logprobs is not None and logprobs.tokens is not None and logprobs.token_logprobs is not None
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == int(offline["text_tokens"])
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    # text_offset: where each token's string starts, in the streamed case across chunks too
+    lengths = [len(t) for t in logprobs.tokens]
+    assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW_TOKENS,
+                                             temperature=0, logprobs=2, stream=True)
+    offsets = [o for c in [c async for c in stream] if c.choices and c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset or []]
+    assert offsets == logprobs.text_offset
     chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES,  # type: ignore[arg-type]
                                                 max_tokens=NEW_TOKENS, temperature=0, logprobs=True,
                                                 top_logprobs=2)
