@@ -91,6 +91,7 @@ class Delta:
     completion_tokens: int
     cached_tokens: int
     text_offset: int = 0  # characters of this sample's token strings before this delta's tokens
+    top_n: int = 0  # top logprobs asked for per position
 
 
 class Admission:
@@ -214,7 +215,7 @@ class Generator:
                     self.metrics.success.labels(self.config.model, finish).inc()
                     self.metrics.generation_tokens.inc(num_tokens)
                 yield Delta(index, text[sent:end], step.token_ids, step.logprobs, finish, num_tokens,
-                            step.cached_tokens, token_chars)
+                            step.cached_tokens, token_chars, params.logprobs or 0)
                 if step.logprobs:  # completions' logprobs.text_offset continues from here
                     token_chars += sum(len(decode_token(self.tokenizer, t)) for t in step.token_ids)
                 sent = end
@@ -437,7 +438,8 @@ def _full_body(gen: Generator, model: str, request_id: str, prompt_len: int, n: 
         mine = [d for d in deltas if d.index == i]
         merged = Delta(i, "".join(d.text for d in mine), [t for d in mine for t in d.token_ids],
                        [lp for d in mine for lp in d.logprobs], mine[-1].finish_reason,
-                       mine[-1].completion_tokens, mine[0].cached_tokens, mine[0].text_offset)
+                       mine[-1].completion_tokens, mine[0].cached_tokens, mine[0].text_offset,
+                       mine[0].top_n)
         choices.append(_choice(gen, merged, merged.text, chat, stream=False))
     finals = [d for d in deltas if d.finish_reason]
     return completion_body(request_id, model, choices, _usage(prompt_len, finals), chat=chat)
@@ -459,13 +461,24 @@ def _choice(gen: Generator, delta: Delta, text: str, chat: bool, stream: bool) -
     return {"index": delta.index, key: content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
+def _top(candidates: list[pb.Logprob], n: int, with_sampled: bool) -> list[pb.Logprob]:
+    """The top `n` candidates by rank. The worker sends the sampled token first, then the top n
+    without repeating it. Completions (`with_sampled`) also list the sampled token when it is
+    outside the top n, as OpenAI and vLLM do (up to logprobs + 1 entries); chat lists exactly n."""
+    top = sorted((c for c in candidates if 1 <= c.rank <= n), key=lambda c: c.rank)
+    if with_sampled and candidates and candidates[0].rank > n:
+        top.append(candidates[0])
+    return top
+
+
 def _logprobs(gen: Generator, delta: Delta, chat: bool) -> dict[str, Any]:
     """OpenAI logprobs of the delta's tokens; `candidates[0]` of each position is the sampled token."""
     tok = gen.tokenizer
     positions = [(decode_token(tok, tid), pos)
                  for tid, pos in zip(delta.token_ids, delta.logprobs, strict=False)]
     sampled = [pos.candidates[0].logprob if pos.candidates else 0.0 for _, pos in positions]
-    tops = [[(decode_token(tok, c.token_id), c.logprob) for c in pos.candidates[1:]] for _, pos in positions]
+    tops = [[(decode_token(tok, c.token_id), c.logprob)
+             for c in _top(list(pos.candidates), delta.top_n, not chat)] for _, pos in positions]
     if chat:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                              "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}

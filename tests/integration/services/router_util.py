@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import httpx
 import uvicorn
@@ -20,11 +21,12 @@ def free_port() -> int:
 
 
 class ServedRouter:
-    """The router app under uvicorn in a background thread (its own event loop)."""
+    """The router app (or any ASGI app) under uvicorn in a background thread (its own event loop)."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig | Any) -> None:
         self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=self.port,
+        app = create_app(config) if isinstance(config, RouterConfig) else config
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", lifespan="on"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -33,6 +35,7 @@ class ServedRouter:
         deadline = time.monotonic() + 30
         while not self.server.started:
             assert time.monotonic() < deadline, "router did not start"
+            assert self.thread.is_alive(), "router thread died"
             time.sleep(0.02)
         return self
 
