@@ -38,6 +38,9 @@ from protos import worker_pb2 as pb
 from services.router.dispatch import Dispatcher, DispatchOptions, NoWorkerError
 from services.router.metrics import RouterMetrics
 from services.router.openai_models import (
+    HEALTH_RESPONSES,
+    MODELS_RESPONSES,
+    OPENAI_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
     completion_body,
@@ -264,7 +267,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     if config.api_key:
         _require_api_key(app, config.api_key)
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
         """200 while at least one decode (or colocated) worker is healthy, else 503."""
         gen = state["gen"]
@@ -278,11 +281,11 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(state["gen"].metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict[str, Any]:
         return models_body(config.model)
 
-    @app.post("/v1/completions", response_model=None)
+    @app.post("/v1/completions", response_model=None, responses=OPENAI_RESPONSES)
     async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
         _check_model(config, body.model)
         gen = state["gen"]
@@ -293,7 +296,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         return await _respond(gen, body.model, f"cmpl-{uuid.uuid4().hex}", ids, params, body.n,
                               body.stop_strings, body.stream, body.include_usage, chat=False)
 
-    @app.post("/v1/chat/completions", response_model=None)
+    @app.post("/v1/chat/completions", response_model=None, responses=OPENAI_RESPONSES)
     async def chat(body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         _check_model(config, body.model)
         gen = state["gen"]

@@ -5,10 +5,41 @@ Validation errors name the field; the app turns them into 400 OpenAI error bodie
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+)
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_STOP_STRINGS = 16
+
+
+def _json_integer(v: object) -> int:
+    """JSON Schema's integer: an int or an integral number like 2.0, not 2.5, a bool or a string."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        return int(v)
+    raise ValueError(f"must be an integer, got {v!r:.40}")
+
+
+# Integers with their bounds; the bounds come before the validator, or the OpenAPI schema loses them.
+TokenCount = Annotated[int, Field(ge=1), BeforeValidator(_json_integer)]
+SampleCount = Annotated[int, Field(ge=1, le=16), BeforeValidator(_json_integer)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_json_integer)]  # workers: int64
+TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_json_integer)]
 
 
 class StreamOptions(BaseModel):
@@ -19,14 +50,22 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: StrictInt | None = None
-    stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = Field(default=1, ge=1, le=16)
+    max_tokens: TokenCount | None = None
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)  # strict: ints, not strings or bools
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    n: SampleCount = 1  # before seed: its check needs n
+    seed: Seed | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seeds_fit(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v + n - 1 > INT64_MAX:  # sample i uses seed + i
+            raise ValueError(f"seed + n - 1 must be at most {INT64_MAX} (sample i runs with seed + i)")
+        return v
 
     @property
     def stop_strings(self) -> list[str]:
@@ -39,14 +78,28 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictInt]
-    logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    prompt: (Annotated[StrictStr, Field(min_length=1)]
+             | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)])  # text or token ids
+    logprobs: TopLogprobs | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _non_empty(cls, v: str | list[int]) -> str | list[int]:
-        if not v:
+    def _text_or_token_ids(cls, v: object) -> object:
+        """Names what is wrong before the union's per-member errors would."""
+        if isinstance(v, str | list) and not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list):
+            ids = []
+            for i, t in enumerate(v):
+                try:
+                    ids.append(_json_integer(t))
+                except ValueError as e:
+                    raise ValueError(f"token id {i}: {e}") from None
+            if min(ids) < 0:
+                raise ValueError(f"token ids must not be negative, got {min(ids)}")
+            return ids
+        if not isinstance(v, str):
+            raise ValueError(f"must be a string or a list of token ids, got {type(v).__name__}")
         return v
 
 
@@ -68,13 +121,48 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=20)
+    top_logprobs: TopLogprobs | None = None
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string", "minLength": 1}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+
+
+# One server-sent event (Open API 3.1 describes a stream by its events): a JSON chunk, or `[DONE]`.
+_SSE_EVENT_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["data"],
+    "properties": {"data": {"type": "string", "description": "a JSON chunk body, or [DONE] last"}},
+}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+
+
+# OpenAPI documentation of the routes' other replies, for their decorators' `responses=`: the event
+# stream of `"stream": true` and the OpenAI error bodies (401 only with an API key set).
+OPENAI_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": _SSE_EVENT_SCHEMA}}},
+    400: _error("Invalid request: the error's `param` names the field"),
+    401: _error("Missing or wrong API key"),
+    404: _error("Unknown model"),
+    429: _error("Too many requests in flight or queued; retry after `Retry-After` seconds"),
+    503: _error("No healthy worker could take the request"),
+    504: _error("A worker timed out"),
+}
+MODELS_RESPONSES: dict[int | str, dict[str, Any]] = {401: OPENAI_RESPONSES[401]}
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {503: {"description": "No healthy decode worker"}}
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None
