@@ -154,13 +154,18 @@ class Generator:
         except ValueError as e:
             raise OpenAIError(400, str(e), param) from e
 
-    def params(self, prompt_len: int, max_tokens: int | None, base: SamplingParams) -> SamplingParams:
+    def params(self, prompt_len: int, max_tokens: int | None, fields: dict[str, Any],
+               logprobs: int | None) -> SamplingParams:
+        """One sample's SamplingParams; the engine's own checks become 400s naming the field."""
         room = self.processor.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise OpenAIError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceed "
                                    f"max_model_len={self.processor.max_model_len}", "max_tokens")
-        return SamplingParams(temperature=base.temperature, top_p=base.top_p, seed=base.seed,
-                              logprobs=base.logprobs, max_tokens=room if max_tokens is None else max_tokens)
+        try:
+            return SamplingParams(**fields, logprobs=logprobs,
+                                  max_tokens=room if max_tokens is None else max_tokens)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), str(e).split(" ", 1)[0]) from e
 
     async def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
                   stops: list[str]) -> AsyncGenerator[Delta, None]:
@@ -290,9 +295,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         _check_model(config, body.model)
         gen = state["gen"]
         ids = gen.tokenize(body.prompt, "prompt")
-        base = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                              logprobs=body.logprobs)
-        params = gen.params(len(ids), body.max_tokens if body.max_tokens is not None else 16, base)
+        params = gen.params(len(ids), body.max_tokens if body.max_tokens is not None else 16,
+                            body.sampling_kwargs(), body.logprobs)
         return await _respond(gen, body.model, f"cmpl-{uuid.uuid4().hex}", ids, params, body.n,
                               body.stop_strings, body.stream, body.include_usage, chat=False)
 
@@ -302,8 +306,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         gen = state["gen"]
         ids = gen.tokenize([m.as_template_dict() for m in body.messages], "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
-        base = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed, logprobs=top)
-        params = gen.params(len(ids), body.token_limit, base)
+        params = gen.params(len(ids), body.token_limit, body.sampling_kwargs(), top)
         return await _respond(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", ids, params, body.n,
                               body.stop_strings, body.stream, body.include_usage, chat=True)
 

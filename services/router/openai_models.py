@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
 
 
@@ -58,6 +59,25 @@ class _SamplingFields(BaseModel):
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # OpenAI's penalties, and vLLM's extra sampling parameters under vLLM's names.
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=2.0)
+    top_k: Annotated[int, Field(ge=-1, le=100_000), BeforeValidator(_json_integer)] = -1  # -1 or 0: off
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: Annotated[int, Field(ge=0, le=1_000_000), BeforeValidator(_json_integer)] = 0
+    ignore_eos: StrictBool = False
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX),
+                                             BeforeValidator(_json_integer)]],
+                              Field(max_length=MAX_STOP_STRINGS)] | None = None
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The engine SamplingParams fields this request sets (max_tokens and logprobs aside)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
+                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "top_k": self.top_k or -1,
+                "min_p": self.min_p, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
+                "stop_token_ids": list(self.stop_token_ids or [])}
 
     @field_validator("seed")
     @classmethod

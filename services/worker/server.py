@@ -102,13 +102,26 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         sample = final.outputs[0]
         if not sample.token_ids:  # aborted before its first token (Abort, or a KV store failure)
             await _fail(context, grpc.StatusCode.ABORTED, f"prefill ended: {sample.stop_reason or 'abort'}")
+        first = sample.token_ids[0]
+        finish = sample.finish_reason or ""
+        if finish == "length" and self._ends_request(first, params, request.params.min_tokens):
+            finish = "stop"  # the first token ends it: no decode follows
         reply = pb.PrefillResponse(
-            first_token_id=sample.token_ids[0], finish_reason=sample.finish_reason or "",
+            first_token_id=first, finish_reason=finish,
             kv_transfer_params_json=_json(final.kv_transfer_params),
             num_cached_tokens=final.num_cached_tokens or 0)
         if sample.logprobs:
             reply.first_logprobs.CopyFrom(position_to_proto(sample.logprobs[0]))
         return reply
+
+    def _ends_request(self, token: int, params: SamplingParams, min_tokens: int) -> bool:
+        """Whether `token` as the first output stops the request: the engine reports "length" for
+        it (prefill runs with max_tokens 1 and length is checked first, as in vLLM), but the
+        request the router will continue must end here when it is EOS or a stop token id."""
+        if min_tokens > 1:
+            return False
+        eos = self.engine.processor.eos_token_id if self.engine is not None else None
+        return token in params.stop_token_ids or (not params.ignore_eos and token == eos)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.DecodeChunk]:

@@ -39,6 +39,7 @@ def offline(model_dir: Path) -> dict[str, str]:
         text = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
         chat = llm.chat(MESSAGES, params, use_tqdm=False)[0].outputs[0]
         return {"text": text.text, "chat": chat.text, "text_tokens": str(len(text.token_ids)),
+                "first_id": str(text.token_ids[0]),
                 "chat_tokens": str(len(chat.token_ids))}
 
 
@@ -159,7 +160,28 @@ BAD = [
     ("/chat/completions", b'{"model": "tiny", "messages": [{"role": "nobody", "content": "x"}]}', 400,
      "messages.0.role"),
     ("/completions", b'{"model": "other", "prompt": "hi"}', 404, "model"),
+    ("/completions", b'{"model": "tiny", "prompt": "hi", "presence_penalty": 3}', 400, "presence_penalty"),
+    ("/completions", b'{"model": "tiny", "prompt": "hi", "top_k": -5}', 400, "top_k"),
+    ("/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 4, "min_tokens": 9}', 400,
+     "min_tokens"),
+    ("/completions", b'{"model": "tiny", "prompt": "hi", "ignore_eos": "yes"}', 400, "ignore_eos"),
+    ("/completions", b'{"model": "tiny", "prompt": [1, 99999999]}', 400, "prompt"),
 ]
+
+
+@in_module_loop
+async def test_vllm_sampling_extras_reach_the_engine(client: openai.AsyncOpenAI, offline: dict[str, str]
+                                                     ) -> None:
+    """ignore_eos and min_tokens fix the length, top_k=1 is greedy, a stop token id ends it."""
+    out = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=1.0,
+                                          extra_body={"top_k": 1, "ignore_eos": True, "min_tokens": 2})
+    assert out.choices[0].text == offline["text"] and out.usage is not None
+    assert out.usage.completion_tokens == NEW_TOKENS
+    stopped = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+        extra_body={"stop_token_ids": [int(offline["first_id"])]})
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage is not None
+    assert stopped.usage.completion_tokens == 1
 
 
 @in_module_loop
