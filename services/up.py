@@ -42,6 +42,10 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--metrics-port-offset", type=int, default=1000,
                    help="each worker serves Prometheus /metrics on its gRPC port + this (0 = off); "
                         "the router's is at /metrics")
+    p.add_argument("--prefill-cpus", default=None, metavar="LIST",
+                   help="pin prefill workers (and their engine cores) to these CPUs, e.g. 0 or 0-1")
+    p.add_argument("--decode-cpus", default=None, metavar="LIST",
+                   help="pin decode (or colocated) workers to these CPUs")
     p.add_argument("--policy", choices=["prefix_aware", "least_loaded"], default="prefix_aware")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts with at most this many uncached tokens skip the prefill pool")
@@ -55,9 +59,14 @@ class Launcher:
         self.args = args
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
 
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv],
-                                preexec_fn=_die_with_parent, env=env)
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+              cpus: set[int] | None = None) -> None:
+        def setup() -> None:
+            _die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # children (the engine core) inherit it
+
+        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], preexec_fn=setup, env=env)
         self.procs.append((name, proc))
 
     def check_alive(self) -> None:
@@ -88,6 +97,24 @@ class Launcher:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(timeout=10)
+
+
+def parse_cpus(text: str | None) -> set[int] | None:
+    """"0", "0-1", "0,2-3" -> a CPU set; None or "" -> None (no pinning)."""
+    if not text:
+        return None
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        try:
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise ValueError(f"CPU list {text!r}: expected numbers and ranges like 0,2-3") from None
+    available = os.sched_getaffinity(0)
+    if not cpus <= available:
+        raise ValueError(f"CPU list {text!r}: CPUs {sorted(cpus - available)} are not available "
+                         f"(this process may use {sorted(available)})")
+    return cpus
 
 
 def _metrics_args(args: argparse.Namespace, grpc_port: int) -> list[str]:
@@ -133,6 +160,7 @@ def _http_ok(url: str) -> bool:
 def run_up(args: argparse.Namespace) -> int:
     from engine.model.loader import resolve_model_path
 
+    parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)  # bad lists fail before anything starts
     # Resolve (and, the first time, convert) the model once, not once per worker.
     folder = str(resolve_model_path(args.model))
     launcher = Launcher(args)
@@ -157,14 +185,16 @@ def run_up(args: argparse.Namespace) -> int:
                 target = f"{h}:{args.prefill_port + i}"
                 launcher.start(f"prefill-{i}", ["worker", "--role", "prefill", "--host", h, "--port",
                                                 str(args.prefill_port + i), "--kv-store-url", store,
-                                                *_metrics_args(args, args.prefill_port + i), *engine_args])
+                                                *_metrics_args(args, args.prefill_port + i), *engine_args],
+                               cpus=parse_cpus(args.prefill_cpus))
                 prefill.append(target)
         role = "colocated" if args.colocated else "decode"
         for i in range(args.decode):
             target = f"{h}:{args.decode_port + i}"
             launcher.start(f"{role}-{i}", ["worker", "--role", role, "--host", h, "--port",
                                            str(args.decode_port + i), "--kv-store-url", store,
-                                           *_metrics_args(args, args.decode_port + i), *engine_args])
+                                           *_metrics_args(args, args.decode_port + i), *engine_args],
+                           cpus=parse_cpus(args.decode_cpus))
             decode.append(target)
         for target in prefill + decode:
             launcher.wait(f"worker {target}", lambda t=target: _grpc_serving(t), deadline)

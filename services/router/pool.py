@@ -1,9 +1,10 @@
 """The workers of one role (prefill, or decode / colocated) as the router sees them: their last load
 report, their health, the requests the router has sent them, and a prefix index each.
 
-A background task asks every worker for its load every `refresh_s` (with a timeout); a worker
-whose Load fails, or whose call fails with UNAVAILABLE (`mark_failed`), is unhealthy and gets no
-requests until a Load succeeds again. Picking never waits on the network.
+A background task asks every worker for its load every `refresh_s` (with a timeout). A worker that
+cannot be reached (Load or a request failing with UNAVAILABLE, `mark_failed`) is unhealthy at once;
+one whose reports time out `missed_reports_unhealthy` times in a row (hung) is too; an unhealthy
+worker gets no requests until a Load succeeds again. Picking never waits on the network.
 
 Policies:
 - "least_loaded": vLLM's score, waiting * 4 + running, from the last report plus the requests sent
@@ -44,6 +45,7 @@ class PoolOptions:
     refresh_s: float = 0.1  # how often each worker's load is asked for
     load_timeout_s: float = 1.0
     balance_slack: float = 4.0  # score a worker may exceed the least loaded by and still win on prefix
+    missed_reports_unhealthy: int = 5  # late load reports in a row that mark a worker unhealthy
     block_size: int = 16  # the workers' KV block size (prefix index granularity)
 
     def __post_init__(self) -> None:
@@ -63,6 +65,7 @@ class WorkerState:
     inflight: int = 0  # router-side: dispatched and not finished
     requests: int = 0  # dispatched in all
     failures: int = 0
+    missed_reports: int = 0  # load reports in a row that failed or came late
     last_error: str = ""
 
     @property
@@ -119,9 +122,12 @@ class WorkerPool:
         try:
             load = await asyncio.wait_for(w.client.load(), self.options.load_timeout_s)
         except (grpc.RpcError, TimeoutError) as e:
-            self._set_unhealthy(w, f"load report failed: {_describe(e)}")
+            w.missed_reports += 1
+            # Unreachable: at once. Slow (a busy worker answers late): after a few in a row.
+            if is_down(e) or w.missed_reports >= self.options.missed_reports_unhealthy:
+                self._set_unhealthy(w, f"load report failed: {_describe(e)}")
             return
-        w.load, w.sent_since_report = load, 0
+        w.load, w.sent_since_report, w.missed_reports = load, 0, 0
         if not w.healthy:
             logger.warning("%s worker %s is healthy again", self.role, w.target)
             w.healthy, w.last_error = True, ""
@@ -177,7 +183,7 @@ def is_down(error: BaseException) -> bool:
     if isinstance(error, grpc.RpcError):
         code = error.code() if callable(getattr(error, "code", None)) else None
         return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-    return isinstance(error, ConnectionError | OSError)
+    return isinstance(error, ConnectionError | OSError) and not isinstance(error, TimeoutError)
 
 
 def _describe(error: BaseException) -> str:

@@ -46,6 +46,7 @@ _KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {
     "prefill": "kv_producer", "decode": "kv_consumer"}
 _PROTO_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
 T = TypeVar("T")
+LOAD_WAIT_S = 0.2  # how long Load waits for a fresh snapshot before answering with the last one
 SCRAPE_STATS_TIMEOUT_S = 5.0
 
 
@@ -83,6 +84,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.role = role
         self.engine: AsyncLLM | None = None
         self._active: set[str] = set()
+        self._stats: EngineStats | None = None  # the last snapshot Load got
+        self._stats_task: asyncio.Future[EngineStats] | None = None
+
+    def _keep_stats(self, task: asyncio.Future[EngineStats]) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._stats = task.result()
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> pb.PrefillResponse:
@@ -155,8 +162,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(found=found)
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        """The engine's queues and KV use. The engine core answers between steps, so a long step
+        (a 2k-token prefill on CPU) would delay the report by up to a step: after LOAD_WAIT_S the
+        last snapshot is returned instead, and the fresh one, when it comes, replaces it."""
         engine = await self._engine(context)
-        stats = await engine.get_stats()
+        if self._stats_task is None or self._stats_task.done():
+            self._stats_task = asyncio.ensure_future(engine.get_stats())
+            self._stats_task.add_done_callback(self._keep_stats)
+        try:
+            stats = await asyncio.wait_for(asyncio.shield(self._stats_task),
+                                           LOAD_WAIT_S if self._stats is not None else None)
+        except TimeoutError:
+            assert self._stats is not None
+            stats = self._stats
         return pb.LoadReport(num_waiting=stats.num_waiting, num_running=stats.num_running,
                              kv_usage=stats.kv_usage, role=_PROTO_ROLES[self.role],
                              num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,

@@ -114,3 +114,43 @@ def test_pool_options_are_validated() -> None:
         PoolOptions(policy="random")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="refresh_s"):
         PoolOptions(refresh_s=0)
+
+
+def test_cpu_lists_parse_and_unavailable_cpus_are_refused() -> None:
+    import os
+
+    from services.up import parse_cpus
+
+    assert parse_cpus(None) is None and parse_cpus("") is None
+    first = min(os.sched_getaffinity(0))
+    assert parse_cpus(str(first)) == {first}
+    assert parse_cpus(f"{first}-{first}") == {first}
+    with pytest.raises(ValueError, match="not available"):
+        parse_cpus("4096")
+    with pytest.raises(ValueError, match="numbers and ranges"):
+        parse_cpus("a-b")
+
+
+async def test_late_load_reports_mark_a_worker_unhealthy_only_when_they_keep_coming_late() -> None:
+    import asyncio
+
+    pool = WorkerPool("decode", ["127.0.0.1:1"], PoolOptions(load_timeout_s=0.01, missed_reports_unhealthy=3))
+    w = pool.workers[0]
+    answer_after = [1.0]
+
+    async def load() -> pb.LoadReport:
+        await asyncio.sleep(answer_after[0])
+        return report(0, 1)
+
+    w.client.load = load  # type: ignore[method-assign]
+    try:
+        await pool.refresh()
+        await pool.refresh()
+        assert w.healthy and w.missed_reports == 2  # a busy worker answering late is not dead
+        await pool.refresh()
+        assert not w.healthy and "load report failed" in w.last_error
+        answer_after[0] = 0.0
+        await pool.refresh()
+        assert w.healthy and w.missed_reports == 0 and w.load is not None and w.load.num_running == 1
+    finally:
+        await pool.close()

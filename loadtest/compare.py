@@ -1,0 +1,169 @@
+"""Colocated against disaggregated, in one go, on the same workload and cores:
+
+- `colocated`: `pdserve up --colocated`: one engine that prefills and decodes, on every core;
+- `disaggregated`: `pdserve up`: one prefill worker on core 0 and one decode worker on core 1
+  (the KV store and the router unpinned), KV through the store;
+- `vllm-pd` (when vLLM CPU is installed in .peers/vllm, see loadtest/peers/install_vllm.sh):
+  vLLM's own disaggregated setup on the same cores: two `vllm serve` instances with a shared-storage
+  KV connector behind a proxy that sends the prompt to the prefill instance with max_tokens=1, then
+  to the decode instance.
+
+Each setup is started, loaded with the same seeded requests (bounded in count and time), and
+stopped before the next; the summary prints the runs side by side with the ratios that matter
+(p99 ITL and p50 TTFT of disaggregated over colocated, pdserve's split against vLLM's), and the
+plots overlay every run.
+
+    python -m loadtest.compare --workload long-prompt --users 4 --max-requests 60 \\
+        --ttft-slo-ms 3000 --itl-slo-ms 150 --out loadtest-out/compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest import report
+from loadtest.run import ROOT, add_run_args, describe, run_locust, spec_from_args
+
+VLLM_PYTHON = ROOT / ".peers" / "vllm" / "bin" / "python"
+
+
+class Server:
+    """A child process that prints `ready_text` once it serves on `port`; stopped with SIGINT."""
+
+    def __init__(self, name: str, argv: list[str], port: int, ready_text: str, log: Path) -> None:
+        self.name, self.port, self.ready_text = name, port, ready_text
+        self.log = log
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self._ready = threading.Event()
+        self._pump = threading.Thread(target=self._copy, daemon=True)
+        self._pump.start()
+
+    def _copy(self) -> None:
+        """Copies the children's output to the log (never letting the pipe fill up)."""
+        assert self.proc.stdout is not None
+        with open(self.log, "w") as out:
+            for line in self.proc.stdout:
+                out.write(line)
+                out.flush()
+                if self.ready_text in line:
+                    self._ready.set()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(1.0):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not come up (exit {self.proc.poll()}); see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+
+
+def setups(args: argparse.Namespace, out: Path) -> list[tuple[str, Any]]:
+    """(name, a function starting the setup and returning its Server)."""
+    pd = [sys.executable, "-m", "services.cli", "up", "--model", args.model_path,
+          "--max-model-len", str(args.max_model_len), "--kv-cache-gib", str(args.kv_cache_gib),
+          "--metrics-port-offset", "0", "--startup-timeout-s", str(args.startup_timeout_s)]
+
+    def pdserve(name: str, port: int, extra: list[str]) -> Server:
+        argv = [*pd, "--port", str(port), "--kvstore-port", str(port + 1), "--decode-port",
+                str(port + 2), "--prefill-port", str(port + 3), *extra]
+        return Server(name, argv, port, "pdserve is up", out / f"{name}.log")
+
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    pre, dec = cores[:half], cores[half:] or cores[:half]
+    as_list = ",".join
+    runs: list[tuple[str, Any]] = [
+        ("colocated", lambda: pdserve("colocated", args.base_port, [
+            "--colocated", "--num-threads", str(len(cores)), "--decode-cpus", as_list(map(str, cores))])),
+        ("disaggregated", lambda: pdserve("disaggregated", args.base_port + 10, [
+            "--num-threads", str(len(pre)), "--prefill-cpus", as_list(map(str, pre)),
+            "--decode-cpus", as_list(map(str, dec)), "--local-prefill-tokens",
+            str(args.local_prefill_tokens)])),
+    ]
+    if args.vllm and VLLM_PYTHON.exists():
+        port = args.base_port + 20
+        runs.append(("vllm-pd", lambda: Server("vllm-pd", [
+            str(VLLM_PYTHON), str(ROOT / "loadtest" / "peers" / "vllm_pd.py"), "--port", str(port),
+            "--served-model-name", args.model, "--prefill-cpus", as_list(map(str, pre)),
+            "--decode-cpus", as_list(map(str, dec)), "--max-model-len", str(args.max_model_len)],
+            port, "vllm pd is up", out / "vllm-pd.log")))
+    elif args.vllm:
+        print(f"vllm-pd skipped: {VLLM_PYTHON} not found (bash loadtest/peers/install_vllm.sh)")
+    return [(n, f) for n, f in runs if n in args.setups]
+
+
+def ratios(s: dict[str, dict[str, Any]]) -> list[str]:
+    lines = []
+    if {"colocated", "disaggregated"} <= s.keys():
+        c, d = s["colocated"], s["disaggregated"]
+        lines.append(f"disaggregated / colocated: p99 ITL {d['itl_ms']['p99'] / c['itl_ms']['p99']:.2f} "
+                     f"(target <= 0.5), p50 TTFT {d['ttft_ms']['p50'] / c['ttft_ms']['p50']:.2f}, "
+                     f"goodput {d['goodput']:.2f} vs {c['goodput']:.2f}")
+    if {"vllm-pd", "disaggregated"} <= s.keys():
+        v, d = s["vllm-pd"], s["disaggregated"]
+        lines.append(f"pdserve split / vLLM split: p50 TTFT {d['ttft_ms']['p50'] / v['ttft_ms']['p50']:.2f}, "
+                     f"p99 ITL {d['itl_ms']['p99'] / v['itl_ms']['p99']:.2f} (below 1 favours pdserve), "
+                     f"goodput {d['goodput']:.2f} vs {v['goodput']:.2f}")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    add_run_args(p)
+    p.add_argument("--out", type=Path,
+                   default=Path("loadtest-out") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--model-path", default=None, help="model folder or name for pdserve (default: --model)")
+    p.add_argument("--setups", default="colocated,disaggregated,vllm-pd")
+    p.add_argument("--no-vllm", dest="vllm", action="store_false")
+    p.add_argument("--base-port", type=int, default=18100)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-gib", type=float, default=1.0)
+    p.add_argument("--local-prefill-tokens", type=int, default=0)
+    p.add_argument("--startup-timeout-s", type=float, default=600)
+    args = p.parse_args(argv)
+    args.model_path = args.model_path or args.model
+    args.setups = args.setups.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    slo = report.Slo(args.ttft_slo_ms, args.itl_slo_ms)
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for name, start in setups(args, args.out):
+        server = start()
+        try:
+            server.wait_ready(args.startup_timeout_s)
+            spec = spec_from_args(args, f"http://127.0.0.1:{server.port}")
+            print(f"{name}: {describe(spec)}", flush=True)
+            rows[name] = report.load(run_locust(spec, args.out / name))
+        finally:
+            server.stop()
+    summaries = {name: report.summarize(r, slo) for name, r in rows.items()}
+    text = "\n".join([f"comparison: {describe(spec_from_args(args, ''))}; SLOs TTFT <= "
+                      f"{slo.ttft_ms:.0f} ms, ITL (per-request mean) <= {slo.itl_ms:.0f} ms",
+                      report.table(summaries), *ratios(summaries)])
+    (args.out / "summary.md").write_text(text + "\n")
+    (args.out / "summary.json").write_text(json.dumps(summaries, indent=2))
+    print(text)
+    for path in report.plot(rows, slo, args.out):
+        print(f"plot: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
