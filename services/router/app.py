@@ -43,6 +43,7 @@ from services.router.openai_models import (
     OPENAI_RESPONSES,
     ChatCompletionRequest,
     CompletionRequest,
+    WorkerChange,
     completion_body,
     error_body,
     models_body,
@@ -286,6 +287,48 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     async def metrics() -> Response:
         return Response(state["gen"].metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    def pool_of(role: str) -> Any:
+        pools = {p.role: p for p in state["gen"].dispatcher.pools}
+        if role not in pools:
+            raise OpenAIError(400, f"role must be one of {sorted(pools)}, got {role!r}", "role")
+        return pools[role]
+
+    @app.get("/admin/workers")
+    async def list_workers() -> dict[str, Any]:
+        """Every worker the router knows, by pool (for the autoscaler and operators)."""
+        return {"workers": [{"role": p.role, "target": w.target, "healthy": w.healthy,
+                             "draining": w.draining, "inflight": w.inflight, "dispatched": w.requests,
+                             "waiting": w.load.num_waiting if w.load else 0,
+                             "running": w.load.num_running if w.load else 0,
+                             "kv_usage": w.load.kv_usage if w.load else 0.0}
+                            for p in state["gen"].dispatcher.pools for w in p.workers]}
+
+    @app.post("/admin/workers")
+    async def add_worker(body: WorkerChange) -> dict[str, Any]:
+        """Registers a worker (idempotent); it gets requests once its first load report is in."""
+        w = pool_of(body.role).add(body.target)
+        return {"target": w.target, "role": body.role, "healthy": w.healthy}
+
+    @app.post("/admin/workers/drain")
+    async def drain_worker(body: WorkerChange) -> dict[str, Any]:
+        """No new requests for the worker; `inflight` says how many are still running there."""
+        w = pool_of(body.role).drain(body.target)
+        if w is None:
+            raise OpenAIError(404, f"no {body.role} worker {body.target}", "target")
+        return {"target": w.target, "draining": True, "inflight": w.inflight}
+
+    @app.post("/admin/workers/remove")
+    async def remove_worker(body: WorkerChange) -> JSONResponse:
+        """Forgets a worker: 409 while it still has requests in flight, unless `force`."""
+        pool = pool_of(body.role)
+        w = pool.find(body.target)
+        if w is not None and not w.draining and not body.force:
+            raise OpenAIError(409, f"drain {body.target} before removing it", "target")
+        if not await pool.remove(body.target, force=body.force):
+            raise OpenAIError(409, f"{body.target} still has {w.inflight if w else 0} requests in "
+                                   f"flight", "target")
+        return JSONResponse({"target": body.target, "removed": True})
+
     @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict[str, Any]:
         return models_body(config.model)
@@ -314,13 +357,13 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """`/v1/*` answers 401 without `Authorization: Bearer <api_key>` (as vLLM's --api-key);
+    """`/v1/*` and `/admin/*` answer 401 without `Authorization: Bearer <api_key>` (as vLLM's --api-key);
     `/health` and `/metrics` stay open for probes and scrapers."""
     expected = f"Bearer {api_key}".encode()
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1"):
+        if request.url.path.startswith(("/v1", "/admin")):
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer "

@@ -66,7 +66,8 @@ class _PoolCollector(Collector):
         self.pools = pools
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        names = [("pdserve:worker_healthy", "1 when the router sends requests to the worker."),
+        names = [("pdserve:worker_healthy", "1 while the worker answers (draining or not)."),
+                 ("pdserve:worker_draining", "1 while the worker is drained before its removal."),
                  ("pdserve:worker_num_requests_waiting", "Waiting requests, last load report."),
                  ("pdserve:worker_num_requests_running", "Running requests, last load report."),
                  ("pdserve:worker_kv_cache_usage_perc", "KV cache usage [0, 1], last load report."),
@@ -76,7 +77,7 @@ class _PoolCollector(Collector):
         for pool in self.pools:
             for w in pool.workers:
                 load = w.load
-                values = [float(w.healthy),
+                values = [float(w.healthy), float(w.draining),
                           float(load.num_waiting) if load is not None else 0.0,
                           float(load.num_running) if load is not None else 0.0,
                           float(load.kv_usage) if load is not None else 0.0,

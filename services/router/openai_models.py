@@ -208,3 +208,11 @@ def completion_body(request_id: str, model: str, choices: list[dict[str, Any]],
 
 def models_body(model: str) -> dict[str, Any]:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pdserve"}]}
+
+
+class WorkerChange(BaseModel):
+    """A worker registration change through the router's admin API."""
+
+    role: Literal["prefill", "decode", "colocated"]
+    target: Annotated[StrictStr, Field(min_length=3, max_length=255, pattern=r"^[^\s:/]+:[0-9]{1,5}$")]
+    force: StrictBool = False

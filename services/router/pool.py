@@ -60,6 +60,7 @@ class WorkerState:
     client: WorkerClient
     prefix: PrefixIndex
     healthy: bool = True  # optimistic until the first report says otherwise
+    draining: bool = False  # gets no new requests; removed once its in-flight ones ended
     load: pb.LoadReport | None = None
     sent_since_report: int = 0
     inflight: int = 0  # router-side: dispatched and not finished
@@ -146,16 +147,54 @@ class WorkerPool:
     # --- choosing -----------------------------------------------------------------------------
     @property
     def healthy(self) -> list[WorkerState]:
-        return [w for w in self.workers if w.healthy]
+        """The workers that take new requests: healthy and not draining."""
+        return [w for w in self.workers if w.healthy and not w.draining]
+
+    # --- membership (the autoscaler's actuators call these through the router's admin API) ----
+    def find(self, target: str) -> WorkerState | None:
+        return next((w for w in self.workers if w.target == target), None)
+
+    def add(self, target: str) -> WorkerState:
+        """Adds a worker (or stops draining a known one); it takes requests after its first report."""
+        w = self.find(target)
+        if w is None:
+            w = WorkerState(WorkerClient(target), PrefixIndex(self.options.block_size), healthy=False)
+            self.workers.append(w)
+            logger.warning("%s worker %s added", self.role, target)
+            if self._task is not None:
+                asyncio.get_running_loop().create_task(self._refresh_one(w))
+        w.draining = False
+        return w
+
+    def drain(self, target: str) -> WorkerState | None:
+        """Stops sending new requests to the worker; in-flight ones go on."""
+        w = self.find(target)
+        if w is not None and not w.draining:
+            w.draining = True
+            logger.warning("%s worker %s draining (%d in flight)", self.role, target, w.inflight)
+        return w
+
+    async def remove(self, target: str, force: bool = False) -> bool:
+        """Removes a drained worker once it has nothing in flight (or at once with `force`).
+        Returns False when it still has requests in flight."""
+        w = self.find(target)
+        if w is None:
+            return True
+        if w.inflight and not force:
+            return False
+        self.workers.remove(w)
+        await w.client.close()
+        logger.warning("%s worker %s removed", self.role, target)
+        return True
 
     def saturated(self, max_waiting: int) -> bool:
-        """True when every healthy worker already has `max_waiting` or more queued requests."""
+        """True when every worker taking requests already has `max_waiting` or more queued."""
         healthy = self.healthy
         return bool(healthy) and all(w.waiting >= max_waiting for w in healthy)
 
     def pick(self, hashes: Sequence[int] = (), exclude: frozenset[str] = frozenset()) -> Pick | None:
         """The worker for a prompt whose block hashes are `hashes`; None when none is healthy."""
-        cands = [w for w in self.workers if w.healthy and w.target not in exclude]
+        cands = [w for w in self.workers if w.healthy and not w.draining and w.target not in exclude]
         if not cands:
             return None
         best = min(w.score for w in cands)

@@ -185,3 +185,44 @@ async def test_disaggregated_logprobs_equal_colocated_ones(workers: dict[str, Wo
     assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
     for pa, pb_ in zip(a.top_logprobs or [], b.top_logprobs or [], strict=True):
         assert pa.keys() == pb_.keys() and list(pa.values()) == pytest.approx(list(pb_.values()), abs=1e-4)
+
+
+@in_module_loop
+async def test_workers_join_and_leave_by_draining_without_failing_a_request(
+        workers: dict[str, WorkerServer], second_colocated: WorkerServer, model_dir: Path) -> None:
+    a, b = workers["colocated"].target, second_colocated.target
+    dispatch = DispatchOptions(decode=(a,), decode_policy="least_loaded")
+    with ServedRouter(config(model_dir, dispatch)) as served:
+        admin = f"{served.url}/admin/workers"
+        async with httpx.AsyncClient(timeout=30) as http, \
+                openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0) as c:
+            assert (await http.post(admin, json={"role": "colocated", "target": b})).status_code == 200
+            for _ in range(50):  # b takes requests after its first load report
+                listed = {w["target"]: w for w in (await http.get(admin)).json()["workers"]}
+                if listed[b]["healthy"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert listed[b]["healthy"] and not listed[b]["draining"]
+            long = await c.completions.create(model=MODEL, prompt="A long story:", max_tokens=300,
+                                              temperature=0, stream=True)
+            first = await anext(aiter(long))  # running on one of the two
+            on = next(w for w in (await http.get(admin)).json()["workers"] if w["inflight"])["target"]
+            r = await http.post(f"{admin}/drain", json={"role": "colocated", "target": on})
+            assert r.status_code == 200 and r.json()["inflight"] == 1
+            busy = await http.post(f"{admin}/remove", json={"role": "colocated", "target": on})
+            assert busy.status_code == 409 and "in flight" in busy.json()["error"]["message"]
+            others = await asyncio.gather(*(c.completions.create(model=MODEL, prompt=f"Q{i}", max_tokens=3,
+                                                                 temperature=0) for i in range(4)))
+            assert all(o.choices[0].finish_reason == "length" for o in others)
+            rest = [chunk async for chunk in long]  # the drained worker finishes what it had
+            assert first.choices and rest[-1].choices[0].finish_reason == "length"
+            other = b if on == a else a
+            listed = {w["target"]: w for w in (await http.get(admin)).json()["workers"]}
+            assert listed[on]["dispatched"] == 1 and listed[other]["dispatched"] == 4
+            gone = await http.post(f"{admin}/remove", json={"role": "colocated", "target": on})
+            assert gone.status_code == 200
+            assert [w["target"] for w in (await http.get(admin)).json()["workers"]] == [other]
+            bad = await http.post(admin, json={"role": "prefill", "target": b})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
+            bad = await http.post(admin, json={"role": "colocated", "target": "no port"})
+            assert bad.status_code == 400
