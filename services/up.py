@@ -51,6 +51,9 @@ def add_up_parser(subparsers: Any) -> None:
                    help="prompts with at most this many uncached tokens skip the prefill pool")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+    from services.autoscaler.local import add_autoscale_args
+
+    add_autoscale_args(p)
     p.set_defaults(func=run_up)
 
 
@@ -174,6 +177,7 @@ def run_up(args: argparse.Namespace) -> int:
         if value is not None:
             engine_args += [flag, str(value)]
     store = f"grpc://{h}:{args.kvstore_port}"
+    scaler: Any = None
     deadline = time.monotonic() + args.startup_timeout_s
     try:
         prefill, decode = [], []
@@ -217,6 +221,16 @@ def run_up(args: argparse.Namespace) -> int:
             ports = [int(t.rsplit(":", 1)[1]) + args.metrics_port_offset for t in prefill + decode]
             print(f"metrics: http://{h}:{args.port}/metrics (router); worker /metrics on ports "
                   f"{', '.join(map(str, ports))}", flush=True)
+        if args.autoscale:
+            from services.autoscaler.local import AutoscalerThread
+
+            worker_args = ["--kv-store-url", store, *engine_args]
+            cpus = {"prefill": parse_cpus(args.prefill_cpus), role: parse_cpus(args.decode_cpus)}
+            scaler = AutoscalerThread(args, f"http://{h}:{args.port}", worker_args, cpus, role)
+            scaler.start()
+            print(f"autoscaling: prefill {args.prefill}..{max(args.prefill, args.max_prefill)}, "
+                  f"{role} {args.decode}..{max(args.decode, args.max_decode)}, targets TTFT p90 "
+                  f"{args.ttft_ms:.0f} ms, ITL p90 {args.itl_ms:.0f} ms", flush=True)
         while not stop.wait(0.5):
             launcher.check_alive()
         return 0
@@ -224,4 +238,6 @@ def run_up(args: argparse.Namespace) -> int:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
     finally:
+        if scaler is not None:
+            scaler.stop()  # drains and stops the workers it started
         launcher.stop()

@@ -96,3 +96,14 @@ def test_config_is_validated() -> None:
         PlannerConfig(min_prefill=3, max_prefill=2)
     with pytest.raises(ValueError, match="positive"):
         PlannerConfig(ttft_ms=0)
+
+
+def test_quantiles_come_from_the_buckets_filled_in_the_interval() -> None:
+    from services.autoscaler.observe import quantile
+
+    before = [(0.1, 10.0), (0.5, 10.0), (1.0, 10.0), (float("inf"), 10.0)]
+    after = [(0.1, 10.0), (0.5, 20.0), (1.0, 30.0), (float("inf"), 30.0)]  # 10 in (0.1,0.5], 10 in (0.5,1]
+    assert quantile(0.5, before, after) == pytest.approx(0.5)
+    assert quantile(0.9, before, after) == pytest.approx(0.5 + 0.5 * 0.8)
+    assert quantile(0.9, after, after) is None  # nothing new
+    assert quantile(0.99, [], [(1.0, 0.0), (float("inf"), 5.0)]) == 1.0  # beyond the last bucket

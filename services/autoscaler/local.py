@@ -1,0 +1,81 @@
+"""`pdserve up --autoscale`: the autoscaler loop in a thread of the launcher, starting and stopping
+local worker processes, with its options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from services.autoscaler.actuators import LocalProcessActuator
+from services.autoscaler.loop import Autoscaler, AutoscalerOptions
+from services.autoscaler.observe import RouterObserver
+from services.autoscaler.planner import Planner, PlannerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def add_autoscale_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("autoscaling (--autoscale; --prefill/--decode are then the minimums)")
+    g.add_argument("--autoscale", action="store_true", help="size the pools from TTFT / ITL targets")
+    g.add_argument("--max-prefill", type=int, default=3)
+    g.add_argument("--max-decode", type=int, default=3)
+    g.add_argument("--ttft-ms", type=float, default=2000.0, help="TTFT p90 target")
+    g.add_argument("--itl-ms", type=float, default=200.0, help="ITL p90 target")
+    g.add_argument("--autoscale-interval-s", type=float, default=5.0)
+    g.add_argument("--prefill-tokens-per-s", type=float, default=1500.0,
+                   help="one prefill worker's throughput, until measured")
+    g.add_argument("--up-cooldown-s", type=float, default=20.0)
+    g.add_argument("--down-cooldown-s", type=float, default=60.0)
+    g.add_argument("--autoscale-log", type=Path, default=None, help="JSON lines of observations/decisions")
+
+
+def planner_config(args: argparse.Namespace) -> PlannerConfig:
+    return PlannerConfig(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms, min_prefill=args.prefill,
+                         max_prefill=max(args.prefill, args.max_prefill), min_decode=args.decode,
+                         max_decode=max(args.decode, args.max_decode),
+                         prefill_tokens_per_s=args.prefill_tokens_per_s, up_cooldown_s=args.up_cooldown_s,
+                         down_cooldown_s=args.down_cooldown_s)
+
+
+class AutoscalerThread:
+    """Runs the loop in its own thread and event loop; `stop()` lets drains finish (bounded)."""
+
+    def __init__(self, args: argparse.Namespace, router_url: str, worker_args: list[str],
+                 cpus: dict[str, Any], decode_role: str) -> None:
+        self.config = planner_config(args)
+        self.options = AutoscalerOptions(interval_s=args.autoscale_interval_s, log_path=args.autoscale_log,
+                                         decode_role=decode_role)
+        self.router_url, self.api_key = router_url, args.api_key
+        self.actuator = LocalProcessActuator(worker_args, host=args.host, cpus=cpus)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        observer = RouterObserver(self.router_url, self.api_key)
+        scaler = Autoscaler(observer, Planner(self.config), self.actuator, self.options)
+        try:
+            await scaler.run(self._stop)
+        finally:
+            await self.actuator.close()
+            await observer.close()
+
+    def stop(self, timeout_s: float = 120.0) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(timeout_s)
