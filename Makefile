@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup system-deps peers run demo test test-all lint typecheck bench bench-prefix bench-kvstore bench-connector clean
+.PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-connector clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ system-deps:
 peers:
 	bash kvstore/peers/install_lmcache.sh
 
+# vLLM CPU's own disaggregated setup, the load-test peer (.peers/vllm, 3.4 GB; not part of `make test`).
+peers-vllm:
+	bash loadtest/peers/install_vllm.sh
+
 # The whole system on this machine: KV store, 1 prefill + 1 decode worker, router on :8000.
 run: setup
 	$(BIN)/pdserve up
@@ -43,10 +47,17 @@ test: setup peers
 test-all: setup peers
 	PDSERVE_RUN_SLOW=1 $(BIN)/python -m pytest -q -ra
 
+# The docker compose stack for real (tests/compose): installs and starts a Docker engine with the
+# compose v2 plugin when missing, builds the images (no image registry needed), runs the tests.
+test-compose: setup
+	bash docker/install_docker.sh
+	bash docker/build_images.sh
+	PDSERVE_RUN_COMPOSE=1 $(BIN)/python -m pytest -q -ra tests/compose
+
 lint: setup
 	$(BIN)/python protos/codegen.py --check
 	$(BIN)/ruff check engine kernels kvstore services protos loadtest tests benchmarks
-	$(BIN)/mypy engine services benchmarks kernels kvstore
+	$(BIN)/mypy engine services benchmarks kernels kvstore loadtest
 
 bench: setup
 	$(BIN)/python benchmarks/bench_workload_a.py

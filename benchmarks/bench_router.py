@@ -1,0 +1,179 @@
+"""Router and disaggregation cost (issue #6): p50 / p99 time to first token for prompts of 128,
+1,024 and 2,048 tokens, in one run, over three setups started with `pdserve up`:
+
+- direct:  the colocated worker's gRPC Decode called directly (token ids in, first chunk out);
+- router:  the router (HTTP, streamed /v1/completions) in front of that same colocated worker;
+- disagg:  the router in front of one prefill worker and one decode worker (KV through the store).
+
+Router overhead = router - direct (target: under 2 ms at p50); disaggregation cost = disagg - router.
+Each sample is a fresh random prompt (no prefix-cache hits) sent as token ids, so the router does
+no tokenization; setups are interleaved sample by sample so background load hits all alike. Only
+one request is in flight at a time. E2E columns are for `--max-tokens` tokens (the first token of a
+disaggregated request comes from the prefill worker; the KV transfer shows up after it).
+
+    python benchmarks/bench_router.py [--samples 20] [--lengths 128,1024,2048] [--max-tokens 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+import numpy as np
+
+from benchmarks.common import REPO_ROOT, markdown_table, median, percentile, random_token_ids
+from engine.config import DEFAULT_MODEL
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--samples", type=int, default=20, help="requests per setup and length")
+    p.add_argument("--lengths", default="128,1024,2048")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--num-threads", type=int, default=2, help="torch threads per worker")
+    p.add_argument("--base-port", type=int, default=18000)
+    p.add_argument("--startup-timeout-s", type=float, default=600)
+    return p.parse_args(argv)
+
+
+class Up:
+    """`pdserve up` in a child process; `ready()` waits for its "pdserve is up" line."""
+
+    def __init__(self, args: argparse.Namespace, port: int, colocated: bool) -> None:
+        self.port = port
+        self.decode_port = port + 2
+        argv = [sys.executable, "-m", "services.cli", "up", "--model", args.model, "--port", str(port),
+                "--kvstore-port", str(port + 1), "--decode-port", str(port + 2),
+                "--prefill-port", str(port + 3), "--num-threads", str(args.num_threads),
+                "--kv-cache-gib", "1", "--max-model-len", str(max(args.lengths_list) + 64)]
+        if colocated:
+            argv.append("--colocated")
+        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+
+    def ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if "pdserve is up" in line:
+                return
+            if time.monotonic() > deadline:
+                break
+        raise RuntimeError(f"pdserve up on port {self.port} did not come up (exit {self.proc.poll()})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def via_router(http: httpx.AsyncClient, port: int, model: str, ids: list[int], max_tokens: int
+                     ) -> tuple[float, float]:
+    """(TTFT, E2E) in seconds of one streamed completion through the router."""
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    start = time.perf_counter()
+    ttft = None
+    async with http.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"router answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and ttft is None and json.loads(line[6:])["choices"]:
+                ttft = time.perf_counter() - start
+    assert ttft is not None
+    return ttft, time.perf_counter() - start
+
+
+async def direct(client: Any, ids: list[int], max_tokens: int, request_id: str) -> tuple[float, float]:
+    """(TTFT, E2E) of one Decode call straight to the colocated worker."""
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    ttft = None
+    async for chunk in client.decode(request_id, ids, params, timeout_s=600):
+        if ttft is None and chunk.token_ids:
+            ttft = time.perf_counter() - start
+    assert ttft is not None
+    return ttft, time.perf_counter() - start
+
+
+async def measure(args: argparse.Namespace, colocated: Up, disagg: Up, vocab: int
+                  ) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    from services.worker.client import WorkerClient
+
+    rng = np.random.default_rng(0)
+    out: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    async with httpx.AsyncClient(timeout=600) as http, \
+            WorkerClient(f"127.0.0.1:{colocated.decode_port}") as worker:
+        setups = {
+            "direct": lambda ids, rid: direct(worker, ids, args.max_tokens, rid),
+            "router": lambda ids, rid: via_router(http, colocated.port, args.model, ids, args.max_tokens),
+            "disagg": lambda ids, rid: via_router(http, disagg.port, args.model, ids, args.max_tokens),
+        }
+        for name, run in setups.items():  # warm-up: first calls compile and fill caches
+            for length in args.lengths_list:
+                await run(random_token_ids(rng, length, vocab), f"warm-{name}-{length}")
+        for i in range(args.samples):
+            for length in args.lengths_list:
+                order = list(setups)
+                rng.shuffle(order)
+                for name in order:
+                    ids = random_token_ids(rng, length, vocab)
+                    out.setdefault((name, length), []).append(await setups[name](ids, f"b-{i}-{length}"))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.lengths_list = [int(x) for x in args.lengths.split(",")]
+    from benchmarks.common import resolve_model_folder, vocab_size
+
+    vocab = vocab_size(resolve_model_folder(args.model))
+    ups = [Up(args, args.base_port, colocated=True), Up(args, args.base_port + 10, colocated=False)]
+    try:
+        for up in ups:
+            up.ready(args.startup_timeout_s)
+        res = asyncio.run(measure(args, ups[0], ups[1], vocab))
+    finally:
+        for up in ups:
+            up.stop()
+    rows = []
+    for length in args.lengths_list:
+        t = {name: [s[0] * 1e3 for s in res[(name, length)]] for name in ("direct", "router", "disagg")}
+        e = {name: [s[1] * 1e3 for s in res[(name, length)]] for name in ("direct", "router", "disagg")}
+        p50 = {n: median(v) for n, v in t.items()}
+        p99 = {n: percentile(v, 99) for n, v in t.items()}
+        rows.append([length, f"{p50['direct']:.1f} / {p99['direct']:.1f}",
+                     f"{p50['router']:.1f} / {p99['router']:.1f}",
+                     f"{p50['disagg']:.1f} / {p99['disagg']:.1f}",
+                     f"{p50['router'] - p50['direct']:.2f}",
+                     f"{p50['disagg'] - p50['router']:.1f} ({p50['disagg'] / p50['router']:.2f}x)",
+                     f"{median(e['router']):.0f} / {median(e['disagg']):.0f}"])
+    print(f"router benchmark: model {args.model}, {args.samples} samples per cell, one request at a "
+          f"time, setups interleaved; TTFT in ms as p50 / p99; E2E for {args.max_tokens} tokens")
+    print(markdown_table(["prompt tokens", "direct gRPC TTFT", "router TTFT", "disagg TTFT",
+                          "router overhead p50 (ms)", "disagg cost p50 (ms)",
+                          "E2E p50 router / disagg (ms)"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

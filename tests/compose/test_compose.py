@@ -1,0 +1,168 @@
+"""`docker compose up` for real: the stack of compose.yaml (redis, kvstore, model, prefill, decode,
+router) answers the official `openai` client on 127.0.0.1, and keeps answering when the prefill
+container dies under load (the router retries, then lets the decode worker compute the prompt).
+
+Run with `make test-compose` (or PDSERVE_RUN_COMPOSE=1 after docker/install_docker.sh and
+docker/build_images.sh)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import openai
+import pytest
+from openai import OpenAI
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.compose.stack import ComposeStack
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
+
+MODEL = "smollm2-135m-instruct"
+MAX_TOKENS = 16
+REQUEST_TIMEOUT_S = 180.0
+
+
+def _client(stack: ComposeStack, api_key: str | None = None) -> OpenAI:
+    return OpenAI(base_url=f"{stack.base_url}/v1", api_key=api_key or stack.api_key,
+                  timeout=REQUEST_TIMEOUT_S, max_retries=0)
+
+
+def _get(stack: ComposeStack, path: str) -> str:
+    with urllib.request.urlopen(f"{stack.base_url}{path}", timeout=10) as resp:
+        return str(resp.read().decode())
+
+
+def _decisions(stack: ComposeStack) -> dict[str, float]:
+    text = _get(stack, "/metrics")
+    return {m[0]: float(m[1]) for m in
+            re.findall(r'^pdserve:router_decisions_total\{decision="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def test_up_publishes_only_on_loopback(compose_stack: ComposeStack) -> None:
+    ps = compose_stack.compose("ps", "--format", "{{.Service}} {{.State}} {{.Ports}}").stdout
+    services = {line.split()[0]: line for line in ps.splitlines() if line.strip()}
+    assert {"redis", "kvstore", "prefill", "decode", "router"} <= set(services), ps
+    assert all(" running" in services[s] for s in ("redis", "kvstore", "prefill", "decode", "router")), ps
+    assert f"127.0.0.1:{compose_stack.port}->8000/tcp" in services["router"], ps
+    assert "0.0.0.0:" not in ps and "[::]:" not in ps, ps  # nothing published on other interfaces
+    health = _get(compose_stack, "/health")
+    assert '"prefill":{"healthy":1,"workers":1}' in health.replace(" ", ""), health
+
+
+def test_api_key_is_required(compose_stack: ComposeStack) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        _client(compose_stack, api_key="wrong").models.list()
+    assert [m.id for m in _client(compose_stack).models.list().data] == [MODEL]
+
+
+def test_completions_streamed_and_not(compose_stack: ComposeStack) -> None:
+    client = _client(compose_stack)
+    prompt = "The three primary colors are"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+    text = full.choices[0].text
+    assert text.strip(), full
+    assert full.usage is not None and full.usage.prompt_tokens > 0, full
+    assert full.usage.completion_tokens == MAX_TOKENS or full.choices[0].finish_reason == "stop", full
+
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, stream_options={"include_usage": True})
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == text  # greedy: the same tokens, streamed or not
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_chat_streamed_and_not(compose_stack: ComposeStack) -> None:
+    client = _client(compose_stack)
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "What is the capital of France? Answer in one word."}]
+    full = client.chat.completions.create(model=MODEL, messages=messages,
+                                          max_tokens=MAX_TOKENS, temperature=0)
+    answer = full.choices[0].message.content or ""
+    assert full.choices[0].message.role == "assistant"
+    assert "paris" in answer.lower(), answer
+    assert full.usage is not None and full.usage.prompt_tokens > 10  # the chat template's tokens too
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages,
+                                            max_tokens=MAX_TOKENS, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == answer
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+
+
+@dataclass
+class _Result:
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    error: BaseException | None = None
+    done_at: float = field(default=0.0)
+
+
+def _stream_one(client: OpenAI, index: int, out: _Result) -> None:
+    # Distinct, long-ish prompts (no shared prefix): each is still being prefilled when the
+    # prefill worker dies a moment after they are sent.
+    prompt = f"Note {index}: " + " ".join(f"item{index}-{j}" for j in range(250)) + "\nSummary:"
+    try:
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.choices:
+                out.text += chunk.choices[0].text
+                out.finish_reason = chunk.choices[0].finish_reason or out.finish_reason
+            if chunk.usage is not None:
+                out.completion_tokens = chunk.usage.completion_tokens
+    except BaseException as exc:  # reported by the test thread
+        out.error = exc
+    finally:
+        out.done_at = time.monotonic()
+
+
+def test_requests_survive_prefill_kill(compose_stack: ComposeStack) -> None:
+    """Runs last in this module: it kills the prefill container."""
+    client = _client(compose_stack)
+    before = _decisions(compose_stack)
+    results = [_Result() for _ in range(4)]
+    threads = [threading.Thread(target=_stream_one, args=(client, i, r), daemon=True)
+               for i, r in enumerate(results)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    killed_at = time.monotonic()
+    compose_stack.compose("kill", "-s", "SIGKILL", "prefill", timeout_s=60)
+    for t in threads:
+        t.join(timeout=REQUEST_TIMEOUT_S + 30)
+    assert not any(t.is_alive() for t in threads), "a request did not finish in time"
+    assert sum(r.done_at > killed_at for r in results) >= 1, "every request finished before the kill"
+    for r in results:
+        assert r.error is None, f"{r.error!r}\n{compose_stack.logs()}"
+        assert r.text.strip() and r.finish_reason in ("length", "stop"), r
+        assert r.completion_tokens == MAX_TOKENS or r.finish_reason == "stop", r
+
+    after = _decisions(compose_stack)
+    assert after.get("fallback", 0) > before.get("fallback", 0), (before, after)
+    health = _get(compose_stack, "/health").replace(" ", "")
+    assert '"prefill":{"healthy":0,"workers":1}' in health, health  # the router noticed
+
+    # With no prefill worker at all, a new request goes straight to the decode worker.
+    late = client.completions.create(model=MODEL, prompt="One, two, three,", max_tokens=MAX_TOKENS,
+                                     temperature=0)
+    assert late.choices[0].text.strip(), late
