@@ -86,6 +86,7 @@ class Decision:
 class _PoolState:
     up_streak: int = 0
     down_streak: int = 0
+    below_streak: int = 0
     last_change_s: float = -math.inf
 
 
@@ -163,10 +164,14 @@ class Planner:
     def _decide(self, pool: str, now: float, n: int, lo: int, hi: int, want_up: bool, step_up: int,
                 why_up: str, low: bool, why_down: str) -> Decision | None:
         c, st = self.config, self._state[pool]
-        if n < lo:  # below the minimum (a worker died): restore at once
-            st.last_change_s = now
+        if n < lo:  # below the minimum (a worker died, not just one late report): restore
+            st.below_streak += 1
             st.up_streak = st.down_streak = 0
+            if st.below_streak < c.up_intervals:
+                return None
+            st.last_change_s, st.below_streak = now, 0
             return Decision(now, pool, n, lo, f"below the minimum of {lo}")
+        st.below_streak = 0
         if n > hi:
             st.last_change_s = now
             return Decision(now, pool, n, hi, f"above the maximum of {hi}")

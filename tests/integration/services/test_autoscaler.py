@@ -123,7 +123,8 @@ async def test_pools_follow_the_load_and_shrink_by_draining(
             await asyncio.sleep(6)
             await steady.stop()
             failed += steady.failed
-            assert len([d for row in scaler.timeline for d in row["decisions"]]) == before
+            after = [d for row in scaler.timeline for d in row["decisions"]]
+            assert len(after) == before, after[before:]
         finally:
             stop.set()
             await asyncio.wait_for(loop, timeout=120)

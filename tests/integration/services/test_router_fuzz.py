@@ -59,6 +59,7 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
         props["model"] = {"type": "string", "enum": [MODEL]}
         props["n"] = {**props["n"], "maximum": MAX_N}
         props["max_tokens"] = {"anyOf": [small, {"type": "null"}]}  # null: the completions default 16
+        props["min_tokens"] = {"type": "integer", "minimum": 0, "maximum": 1}  # <= any max_tokens
     prompt = spec["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
     ids = next(member for member in prompt["anyOf"] if member["type"] == "array")
     ids["items"]["maximum"] = 255  # in every vocabulary (the app rejects ids past the model's)
