@@ -6,6 +6,10 @@ cannot be reached (Load or a request failing with UNAVAILABLE, `mark_failed`) is
 one whose reports time out `missed_reports_unhealthy` times in a row (hung) is too; an unhealthy
 worker gets no requests until a Load succeeds again. Picking never waits on the network.
 
+Targets are host:port, or dns:host:port for every address a name resolves to (compose replicas,
+a Kubernetes headless service), re-resolved every `resolve_s`: new addresses join, vanished ones
+are drained and removed.
+
 Policies:
 - "least_loaded": vLLM's score, waiting * 4 + running, from the last report plus the requests sent
   since that report (so a burst between two reports spreads out).
@@ -19,7 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+import math
+import socket
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,6 +42,10 @@ Policy = Literal["least_loaded", "prefix_aware"]
 POLICIES: tuple[Policy, ...] = ("least_loaded", "prefix_aware")
 
 
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+DNS_PREFIX = "dns:"
+
+
 def load_score(load: pb.LoadReport) -> int:
     return int(load.num_waiting) * 4 + int(load.num_running)
 
@@ -44,6 +55,7 @@ class PoolOptions:
     policy: Policy = "prefix_aware"
     refresh_s: float = 0.1  # how often each worker's load is asked for
     load_timeout_s: float = 1.0
+    resolve_s: float = 2.0  # how often `dns:` targets are resolved again
     balance_slack: float = 4.0  # score a worker may exceed the least loaded by and still win on prefix
     missed_reports_unhealthy: int = 5  # late load reports in a row that mark a worker unhealthy
     block_size: int = 16  # the workers' KV block size (prefix index granularity)
@@ -91,10 +103,19 @@ class Pick:
 
 
 class WorkerPool:
-    def __init__(self, role: str, targets: Sequence[str], options: PoolOptions = PoolOptions()) -> None:
+    def __init__(self, role: str, targets: Sequence[str], options: PoolOptions = PoolOptions(),
+                 resolver: Resolver | None = None) -> None:
         self.role = role
         self.options = options
-        self.workers = [WorkerState(WorkerClient(t), PrefixIndex(options.block_size)) for t in targets]
+        self.workers = [WorkerState(WorkerClient(t), PrefixIndex(options.block_size))
+                        for t in targets if not t.startswith(DNS_PREFIX)]
+        # "dns:host:port" targets: every address the name resolves to is a worker (compose
+        # replicas, a Kubernetes headless service); re-resolved every resolve_s.
+        self.names = [t.removeprefix(DNS_PREFIX) for t in targets if t.startswith(DNS_PREFIX)]
+        self._found: dict[str, set[str]] = {name: set() for name in self.names}
+        self._discovered: set[str] = set()  # every address a name ever resolved to
+        self._resolver = resolver or _getaddrinfo
+        self._resolved_at = -math.inf
         self._task: asyncio.Task[None] | None = None
 
     # --- background refresh -------------------------------------------------------------------
@@ -112,8 +133,32 @@ class WorkerPool:
 
     async def _refresh_forever(self) -> None:
         while True:
+            if self.names and time.monotonic() - self._resolved_at >= self.options.resolve_s:
+                await self.resolve()
             await self.refresh()
             await asyncio.sleep(self.options.refresh_s)
+
+    async def resolve(self) -> None:
+        """Adds the addresses the `dns:` names resolve to; drains vanished ones and removes them
+        once nothing is in flight there. A name that fails to resolve keeps its last addresses."""
+        self._resolved_at = time.monotonic()
+        for name in self.names:
+            host, _, port = name.rpartition(":")
+            try:
+                found = {_join(ip, port) for ip in await self._resolver(host, int(port))}
+            except OSError as e:
+                logger.warning("%s pool: resolving %s failed: %s", self.role, name, e)
+                continue
+            for target in sorted(found - self._found[name]):
+                self.add(target)
+                self._discovered.add(target)
+            for target in self._found[name] - found:
+                self.drain(target)
+            self._found[name] = found
+        current = set().union(*self._found.values())
+        for w in [w for w in self.workers if w.draining and w.inflight == 0]:
+            if w.target not in current and w.target in self._discovered:
+                await self.remove(w.target)
 
     async def refresh(self) -> None:
         """Asks every worker for its load once; updates health."""
@@ -223,6 +268,15 @@ def is_down(error: BaseException) -> bool:
         code = error.code() if callable(getattr(error, "code", None)) else None
         return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
     return isinstance(error, ConnectionError | OSError) and not isinstance(error, TimeoutError)
+
+
+async def _getaddrinfo(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({str(info[4][0]) for info in infos})
+
+
+def _join(ip: str, port: str) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def _describe(error: BaseException) -> str:

@@ -154,3 +154,31 @@ async def test_late_load_reports_mark_a_worker_unhealthy_only_when_they_keep_com
         assert w.healthy and w.missed_reports == 0 and w.load is not None and w.load.num_running == 1
     finally:
         await pool.close()
+
+
+async def test_dns_targets_expand_to_every_address_and_follow_changes() -> None:
+    answers = {"prefill": ["10.0.0.2", "10.0.0.1"]}
+
+    async def resolver(host: str, port: int) -> list[str]:
+        if host not in answers:
+            raise OSError(f"unknown host {host}")
+        return answers[host]
+
+    pool = WorkerPool("prefill", ["dns:prefill:50051", "127.0.0.1:7"], resolver=resolver)
+    try:
+        await pool.resolve()
+        assert sorted(w.target for w in pool.workers) == ["10.0.0.1:50051", "10.0.0.2:50051", "127.0.0.1:7"]
+        answers["prefill"] = ["10.0.0.2", "10.0.0.3"]  # a replica went away, another came
+        busy = pool.find("10.0.0.1:50051")
+        assert busy is not None
+        busy.inflight = 1
+        await pool.resolve()
+        assert busy.draining and pool.find("10.0.0.3:50051") is not None
+        busy.inflight = 0
+        await pool.resolve()  # drained and idle: removed; a static target never is
+        assert sorted(w.target for w in pool.workers) == ["10.0.0.2:50051", "10.0.0.3:50051", "127.0.0.1:7"]
+        del answers["prefill"]
+        await pool.resolve()  # resolution failing keeps what was known
+        assert len(pool.workers) == 3
+    finally:
+        await pool.close()
