@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,8 +32,9 @@ if __package__ in (None, ""):
 import httpx
 import numpy as np
 
-from benchmarks.common import REPO_ROOT, markdown_table, median, percentile, random_token_ids
+from benchmarks.common import markdown_table, median, percentile, random_token_ids
 from engine.config import DEFAULT_MODEL
+from loadtest.compare import Server
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -50,38 +49,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-class Up:
-    """`pdserve up` in a child process; `ready()` waits for its "pdserve is up" line."""
-
-    def __init__(self, args: argparse.Namespace, port: int, colocated: bool) -> None:
-        self.port = port
-        self.decode_port = port + 2
-        argv = [sys.executable, "-m", "services.cli", "up", "--model", args.model, "--port", str(port),
-                "--kvstore-port", str(port + 1), "--decode-port", str(port + 2),
-                "--prefill-port", str(port + 3), "--num-threads", str(args.num_threads),
-                "--kv-cache-gib", "1", "--max-model-len", str(max(args.lengths_list) + 64)]
-        if colocated:
-            argv.append("--colocated")
-        self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-
-    def ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if "pdserve is up" in line:
-                return
-            if time.monotonic() > deadline:
-                break
-        raise RuntimeError(f"pdserve up on port {self.port} did not come up (exit {self.proc.poll()})")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def start_up(args: argparse.Namespace, port: int, colocated: bool, log: Path) -> Server:
+    """`pdserve up` in a child process (its output copied to `log`); decode worker on port + 2."""
+    argv = [sys.executable, "-m", "services.cli", "up", "--model", args.model, "--port", str(port),
+            "--kvstore-port", str(port + 1), "--decode-port", str(port + 2),
+            "--prefill-port", str(port + 3), "--num-threads", str(args.num_threads),
+            "--kv-cache-gib", "1", "--max-model-len", str(max(args.lengths_list) + 64),
+            "--metrics-port-offset", "0"]
+    return Server(f"pdserve up :{port}", [*argv, "--colocated"] if colocated else argv, port,
+                  "pdserve is up", log)
 
 
 async def via_router(http: httpx.AsyncClient, port: int, model: str, ids: list[int], max_tokens: int
@@ -115,14 +91,14 @@ async def direct(client: Any, ids: list[int], max_tokens: int, request_id: str) 
     return ttft, time.perf_counter() - start
 
 
-async def measure(args: argparse.Namespace, colocated: Up, disagg: Up, vocab: int
+async def measure(args: argparse.Namespace, colocated: Server, disagg: Server, vocab: int
                   ) -> dict[tuple[str, int], list[tuple[float, float]]]:
     from services.worker.client import WorkerClient
 
     rng = np.random.default_rng(0)
     out: dict[tuple[str, int], list[tuple[float, float]]] = {}
     async with httpx.AsyncClient(timeout=600) as http, \
-            WorkerClient(f"127.0.0.1:{colocated.decode_port}") as worker:
+            WorkerClient(f"127.0.0.1:{colocated.port + 2}") as worker:
         setups = {
             "direct": lambda ids, rid: direct(worker, ids, args.max_tokens, rid),
             "router": lambda ids, rid: via_router(http, colocated.port, args.model, ids, args.max_tokens),
@@ -147,10 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from benchmarks.common import resolve_model_folder, vocab_size
 
     vocab = vocab_size(resolve_model_folder(args.model))
-    ups = [Up(args, args.base_port, colocated=True), Up(args, args.base_port + 10, colocated=False)]
+    logs = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    ups = [start_up(args, args.base_port, True, logs / "colocated.log"),
+           start_up(args, args.base_port + 10, False, logs / "disaggregated.log")]
     try:
         for up in ups:
-            up.ready(args.startup_timeout_s)
+            up.wait_ready(args.startup_timeout_s)
         res = asyncio.run(measure(args, ups[0], ups[1], vocab))
     finally:
         for up in ups:
