@@ -21,7 +21,6 @@ from typing import Any
 from loadtest.compare import Server
 from loadtest.run import ROOT, RunSpec, run_locust
 
-
 SETTLED = 5  # intervals in a row within both targets that count as "met again"
 
 
