@@ -200,7 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point (`pdserve`); returns the exit code."""
-    args = build_parser().parse_args(argv)
+    try:
+        parser = build_parser()  # option defaults read PDSERVE_* variables, which may be malformed
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

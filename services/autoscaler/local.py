@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -19,19 +20,40 @@ from services.autoscaler.planner import Planner, PlannerConfig
 logger = logging.getLogger(__name__)
 
 
+def _env(name: str, default: Any, kind: Any = float) -> Any:
+    """PDSERVE_<NAME> from the environment (the variables compose.yaml uses), else `default`."""
+    value = os.environ.get(f"PDSERVE_{name}")
+    if value is None or value == "":
+        return default
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"PDSERVE_{name}={value!r}: expected a {kind.__name__}") from None
+
+
+def _flag(value: str) -> bool:
+    if value.lower() not in ("1", "true", "yes", "0", "false", "no"):
+        raise ValueError("expected 1/0, true/false or yes/no")
+    return value.lower() in ("1", "true", "yes")
+
+
 def add_autoscale_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("autoscaling (--autoscale; --prefill/--decode are then the minimums)")
-    g.add_argument("--autoscale", action="store_true", help="size the pools from TTFT / ITL targets")
-    g.add_argument("--max-prefill", type=int, default=3)
-    g.add_argument("--max-decode", type=int, default=3)
-    g.add_argument("--ttft-ms", type=float, default=2000.0, help="TTFT p90 target")
-    g.add_argument("--itl-ms", type=float, default=200.0, help="ITL p90 target")
-    g.add_argument("--autoscale-interval-s", type=float, default=5.0)
-    g.add_argument("--prefill-tokens-per-s", type=float, default=1500.0,
+    """Options, each defaulting to its PDSERVE_* environment variable (e.g. PDSERVE_TTFT_MS)."""
+    g = p.add_argument_group("autoscaling (--autoscale; --prefill/--decode are then the minimums; "
+                             "each option also reads PDSERVE_<OPTION>, e.g. PDSERVE_TTFT_MS)")
+    g.add_argument("--autoscale", action="store_true", default=_env("AUTOSCALE", False, _flag),
+                   help="size the pools from TTFT / ITL targets (PDSERVE_AUTOSCALE=1)")
+    g.add_argument("--max-prefill", type=int, default=_env("MAX_PREFILL", 3, int))
+    g.add_argument("--max-decode", type=int, default=_env("MAX_DECODE", 3, int))
+    g.add_argument("--ttft-ms", type=float, default=_env("TTFT_MS", 2000.0), help="TTFT p90 target")
+    g.add_argument("--itl-ms", type=float, default=_env("ITL_MS", 200.0), help="ITL p90 target")
+    g.add_argument("--autoscale-interval-s", type=float, default=_env("AUTOSCALE_INTERVAL_S", 5.0))
+    g.add_argument("--prefill-tokens-per-s", type=float, default=_env("PREFILL_TOKENS_PER_S", 1500.0),
                    help="one prefill worker's throughput, until measured")
-    g.add_argument("--up-cooldown-s", type=float, default=20.0)
-    g.add_argument("--down-cooldown-s", type=float, default=60.0)
-    g.add_argument("--autoscale-log", type=Path, default=None, help="JSON lines of observations/decisions")
+    g.add_argument("--up-cooldown-s", type=float, default=_env("UP_COOLDOWN_S", 20.0))
+    g.add_argument("--down-cooldown-s", type=float, default=_env("DOWN_COOLDOWN_S", 60.0))
+    g.add_argument("--autoscale-log", type=Path, default=_env("AUTOSCALE_LOG", None, Path),
+                   help="JSON lines of observations/decisions")
 
 
 def planner_config(args: argparse.Namespace) -> PlannerConfig:

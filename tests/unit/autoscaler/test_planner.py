@@ -109,3 +109,24 @@ def test_quantiles_come_from_the_buckets_filled_in_the_interval() -> None:
     assert quantile(0.9, before, after) == pytest.approx(0.5 + 0.5 * 0.8)
     assert quantile(0.9, after, after) is None  # nothing new
     assert quantile(0.99, [], [(1.0, 0.0), (float("inf"), 5.0)]) == 1.0  # beyond the last bucket
+
+
+def test_autoscale_options_read_the_pdserve_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from services.autoscaler.local import add_autoscale_args, planner_config
+
+    monkeypatch.setenv("PDSERVE_AUTOSCALE", "true")
+    monkeypatch.setenv("PDSERVE_TTFT_MS", "1234")
+    monkeypatch.setenv("PDSERVE_MAX_DECODE", "5")
+    p = argparse.ArgumentParser()
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=2)
+    add_autoscale_args(p)
+    args = p.parse_args(["--itl-ms", "99"])
+    assert args.autoscale and args.ttft_ms == 1234 and args.itl_ms == 99 and args.max_decode == 5
+    cfg = planner_config(args)
+    assert (cfg.min_decode, cfg.max_decode, cfg.ttft_ms) == (2, 5, 1234)
+    monkeypatch.setenv("PDSERVE_MAX_PREFILL", "lots")
+    with pytest.raises(ValueError, match="PDSERVE_MAX_PREFILL"):
+        add_autoscale_args(argparse.ArgumentParser())
