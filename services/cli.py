@@ -185,8 +185,14 @@ def _add_up(subparsers: Any) -> None:
     add_up_parser(subparsers)
 
 
+def _add_autoscaler(subparsers: Any) -> None:
+    from services.autoscaler.cli import add_autoscaler_parser
+
+    add_autoscaler_parser(subparsers)
+
+
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_worker, _add_router,
-                                            _add_up]
+                                            _add_up, _add_autoscaler]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.autoscaler.actuators import Actuator
@@ -124,15 +125,23 @@ class Autoscaler:
         if not mine:
             logger.warning("autoscaler: no %s worker of mine to remove", role)
             return
-        target = min(mine, key=lambda t: workers[t]["inflight"])
+        await self.remove(role, min(mine, key=lambda t: workers[t]["inflight"]))
+
+    async def remove(self, role: str, target: str) -> None:
+        """Drains `target` in the router, waits until nothing is in flight there, removes it from
+        the router, then stops it. When the router cannot be reached the worker is still stopped
+        (its own shutdown drains what it has)."""
         http, url = self.observer.http, f"{self.observer.url}/admin/workers"
-        (await http.post(f"{url}/drain", json={"role": role, "target": target})).raise_for_status()
-        deadline = time.monotonic() + self.options.drain_timeout_s
-        while True:
-            reply = await http.post(f"{url}/remove", json={"role": role, "target": target})
-            if reply.status_code == 200:
-                break
-            if reply.status_code != 409 or time.monotonic() > deadline:
-                raise RuntimeError(f"removing {target}: {reply.status_code} {reply.text[:200]}")
-            await asyncio.sleep(0.2)
+        try:
+            (await http.post(f"{url}/drain", json={"role": role, "target": target})).raise_for_status()
+            deadline = time.monotonic() + self.options.drain_timeout_s
+            while True:
+                reply = await http.post(f"{url}/remove", json={"role": role, "target": target})
+                if reply.status_code == 200:
+                    break
+                if reply.status_code != 409 or time.monotonic() > deadline:
+                    raise RuntimeError(f"removing {target}: {reply.status_code} {reply.text[:200]}")
+                await asyncio.sleep(0.2)
+        except httpx.HTTPError as e:
+            logger.warning("autoscaler: router unreachable while removing %s (%s); stopping it", target, e)
         await self.actuator.stop(role, target)

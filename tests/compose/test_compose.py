@@ -136,6 +136,55 @@ def _stream_one(client: OpenAI, index: int, out: _Result) -> None:
         out.done_at = time.monotonic()
 
 
+def _workers(stack: ComposeStack, role: str) -> list[dict[str, object]]:
+    import json
+
+    req = urllib.request.Request(f"{stack.base_url}/admin/workers",
+                                 headers={"Authorization": f"Bearer {stack.api_key}"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return [w for w in json.loads(resp.read())["workers"] if w["role"] == role]
+
+
+def test_docker_actuator_adds_a_replica_the_router_finds_and_drains_it_away(
+        compose_stack: ComposeStack) -> None:
+    """The autoscaler's Docker actuator clones the prefill replica through the Engine API; the
+    router's dns: discovery adds it; draining then stopping it leaves one prefill worker."""
+    import asyncio
+
+    import httpx
+
+    from services.autoscaler.docker_actuator import DockerActuator
+
+    async def scenario() -> None:
+        actuator = DockerActuator(compose_stack.project, startup_timeout_s=300)
+        headers = {"Authorization": f"Bearer {compose_stack.api_key}"}
+        try:
+            target = await actuator.start("prefill")
+            deadline = time.monotonic() + 60
+            while not any(w["target"] == target and w["healthy"] for w in _workers(compose_stack, "prefill")):
+                assert time.monotonic() < deadline, _workers(compose_stack, "prefill")
+                await asyncio.sleep(0.5)
+            assert len(_workers(compose_stack, "prefill")) == 2
+            ps = compose_stack.compose("ps", "--format", "{{.Name}}", "prefill").stdout.split()
+            assert len(ps) == 2  # compose sees the new replica as one of its own
+            out = _client(compose_stack).completions.create(model=MODEL, prompt="Hello", max_tokens=4,
+                                                            temperature=0)
+            assert out.choices[0].text
+            async with httpx.AsyncClient(base_url=compose_stack.base_url, headers=headers) as http:
+                body = {"role": "prefill", "target": target}
+                assert (await http.post("/admin/workers/drain", json=body)).status_code == 200
+                assert (await http.post("/admin/workers/remove", json=body)).status_code == 200
+            await actuator.stop("prefill", target)
+            assert [w["target"] for w in _workers(compose_stack, "prefill")] != [target]
+            assert len(_workers(compose_stack, "prefill")) == 1
+            assert actuator.managed("prefill") == []
+        finally:
+            await actuator.stop_all()
+            await actuator.close()
+
+    asyncio.run(scenario())
+
+
 def test_requests_survive_prefill_kill(compose_stack: ComposeStack) -> None:
     """Runs last in this module: it kills the prefill container."""
     client = _client(compose_stack)
