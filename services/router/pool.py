@@ -86,14 +86,21 @@ class WorkerState:
         return self.client.target
 
     @property
+    def unreported(self) -> int:
+        """Requests sent since the last load report that are still in flight (at most): the
+        ones that already finished must not count, or a late report would let the estimate grow
+        without bound under a fast stream of short requests."""
+        return min(self.sent_since_report, self.inflight)
+
+    @property
     def score(self) -> float:
         reported = load_score(self.load) if self.load is not None else 0
-        return reported + self.sent_since_report
+        return reported + self.unreported
 
     @property
     def waiting(self) -> int:
         """Requests likely queued on the worker: reported waiting plus those sent since."""
-        return (int(self.load.num_waiting) if self.load is not None else 0) + self.sent_since_report
+        return (int(self.load.num_waiting) if self.load is not None else 0) + self.unreported
 
 
 @dataclass(frozen=True)

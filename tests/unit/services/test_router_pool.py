@@ -182,3 +182,17 @@ async def test_dns_targets_expand_to_every_address_and_follow_changes() -> None:
         assert len(pool.workers) == 3
     finally:
         await pool.close()
+
+
+async def test_finished_requests_do_not_inflate_the_estimate_while_reports_are_late() -> None:
+    pool = await make_pool("least_loaded", [(0, 0)])
+    w = pool.workers[0]
+    try:
+        for _ in range(500):  # many short requests, no new report in between
+            pool.acquire(w)
+            pool.release(w)
+        assert w.sent_since_report == 500 and w.waiting == 0 and not pool.saturated(max_waiting=64)
+        pool.acquire(w)
+        assert w.waiting == 1 and pool.saturated(max_waiting=1)
+    finally:
+        await pool.close()
