@@ -164,6 +164,13 @@ def run_up(args: argparse.Namespace) -> int:
     from engine.model.loader import resolve_model_path
 
     parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)  # bad lists fail before anything starts
+    if args.metrics_port_offset:
+        ports = [args.prefill_port + i for i in range(0 if args.colocated else args.prefill)]
+        ports += [args.decode_port + i for i in range(args.decode)]
+        bad = [p + args.metrics_port_offset for p in ports if not 1 <= p + args.metrics_port_offset <= 65535]
+        if bad:
+            raise ValueError(f"--metrics-port-offset {args.metrics_port_offset} puts worker metrics on "
+                             f"invalid ports {bad}; choose another offset or 0 (off)")
     # Resolve (and, the first time, convert) the model once, not once per worker.
     folder = str(resolve_model_path(args.model))
     launcher = Launcher(args)

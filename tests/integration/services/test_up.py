@@ -35,8 +35,11 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
     from engine.sampling_params import SamplingParams
 
     model = tiny_model_dir("llama")
-    router, store, prefill, decode, metrics = free_ports(5)
-    offset = metrics - decode  # the decode (or colocated) worker's /metrics lands on a free port
+    for _ in range(50):  # worker /metrics = gRPC port + offset: keep the prefill one valid too
+        router, store, prefill, decode, metrics = free_ports(5)
+        offset = metrics - decode  # the decode (or colocated) worker's /metrics lands on a free port
+        if 1024 <= prefill + offset <= 65535:
+            break
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(router),
             "--kvstore-port", str(store), "--prefill-port", str(prefill), "--decode-port", str(decode),
             "--num-threads", "1", "--kv-cache-gib", "0.05", "--max-model-len", "512",
