@@ -3,13 +3,18 @@
     python protos/codegen.py          # regenerate protos/*_pb2.py (+ _pb2_grpc.py, .pyi)
     python protos/codegen.py --check  # exit 1 if the committed files differ (CI runs this)
 
-Generated files are committed so that installing pdserve needs no code generator.
+Generated files are committed so that installing pdserve needs no code generator. They are
+made with the grpcio-tools pinned in pyproject.toml; `--check` under another grpcio-tools
+version (whose output differs in version stamps and formatting) compares what the code means
+instead: the serialized descriptor in each _pb2.py, and the RPC paths in each _pb2_grpc.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import filecmp
+import re
 import shutil
 import sys
 import tempfile
@@ -35,6 +40,32 @@ def generate(out_dir: Path) -> list[Path]:
     return sorted(p for p in target.iterdir() if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")))
 
 
+def generator_version(grpc_file: Path) -> str | None:
+    """The grpcio-tools version a _pb2_grpc.py was generated with."""
+    match = re.search(r"^GRPC_GENERATED_VERSION = '([^']+)'", grpc_file.read_text(), re.M)
+    return match.group(1) if match else None
+
+
+def meaning(path: Path) -> object:
+    """What a generated file says, whatever generator version wrote it: the serialized
+    FileDescriptorProto of a _pb2.py, the RPC paths of a _pb2_grpc.py (None for .pyi stubs)."""
+    text = path.read_text()
+    if path.name.endswith("_pb2.py"):
+        match = re.search(r"AddSerializedFile\((b'(?:[^'\\]|\\.)*')\)", text)
+        return ast.literal_eval(match.group(1)) if match else text
+    if path.name.endswith("_pb2_grpc.py"):
+        return sorted(set(re.findall(r"'(/[\w.]+/\w+)'", text)))
+    return None
+
+
+def same(produced: Path, committed: Path, other_generator: bool) -> bool:
+    if not committed.exists():
+        return False
+    if filecmp.cmp(produced, committed, shallow=False):
+        return True
+    return other_generator and meaning(produced) == meaning(committed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,17 +73,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         produced = generate(Path(tmp))
-        stale = [p.name for p in produced
-                 if not (PROTOS / p.name).exists() or not filecmp.cmp(p, PROTOS / p.name, shallow=False)]
+        grpc_files = [p for p in produced if p.name.endswith("_pb2_grpc.py")]
+        ours = generator_version(grpc_files[0]) if grpc_files else None
+        committed = generator_version(PROTOS / grpc_files[0].name) \
+            if grpc_files and (PROTOS / grpc_files[0].name).exists() else None
+        other = ours != committed
+        stale = [p.name for p in produced if not same(p, PROTOS / p.name, other)]
         expected = {p.name for p in produced}
         extra = [p.name for p in PROTOS.iterdir()
                  if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")) and p.name not in expected]
         if args.check:
             if stale or extra:
                 print(f"generated protobuf code is out of date: {sorted(stale + extra)}; "
-                      f"run `python protos/codegen.py`", file=sys.stderr)
+                      f"run `python protos/codegen.py` (committed with grpcio-tools {committed}, "
+                      f"this environment has {ours})", file=sys.stderr)
                 return 1
-            print(f"protos up to date ({len(produced)} files)")
+            how = (f"; compared descriptors and RPC paths: generated with grpcio-tools {committed}, "
+                   f"this environment has {ours}" if other else "")
+            print(f"protos up to date ({len(produced)} files{how})")
             return 0
         for p in produced:
             shutil.copy(p, PROTOS / p.name)
