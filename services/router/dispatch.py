@@ -107,9 +107,10 @@ class Dispatcher:
         """The sample's tokens as they come. Closing the iterator early cancels the decode call."""
         assert params.max_tokens is not None
         hashes = block_hashes(prompt_ids, self.options.block_size)
-        first = await self._prefill(request_id, prompt_ids, params, hashes)
+        local = self._local_prefill(prompt_ids, hashes)
+        first = None if local is not None else await self._prefill(request_id, prompt_ids, params, hashes)
         if first is None:
-            async for step in self._decode(request_id, prompt_ids, params, None, hashes):
+            async for step in self._decode(request_id, prompt_ids, params, None, hashes, local):
                 yield step
             return
         done = params.max_tokens == 1 or first.finish_reason == "stop"
@@ -130,17 +131,23 @@ class Dispatcher:
             raise NoWorkerError(f"no healthy {self.decode.role} worker")
         return pick
 
+    def _local_prefill(self, prompt_ids: list[int], hashes: Sequence[int]) -> Pick | None:
+        """Conditional disaggregation: the decode worker to compute the prompt itself when the
+        part it has likely not cached is at most local_prefill_tokens, else None."""
+        if self.prefill is None or not self.options.local_prefill_tokens:
+            return None
+        pick = self._decode_pick(hashes)
+        if len(prompt_ids) - pick.matched_tokens > self.options.local_prefill_tokens:
+            return None
+        self._on_decision("local_prefill")
+        return pick
+
     async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        hashes: Sequence[int]) -> PrefillResult | None:
         """The prefill's result, or None when the decode worker should compute the prompt."""
         if self.prefill is None:
             self._on_decision("colocated")
             return None
-        if self.options.local_prefill_tokens:
-            uncached = len(prompt_ids) - self._decode_pick(hashes).matched_tokens
-            if uncached <= self.options.local_prefill_tokens:
-                self._on_decision("local_prefill")
-                return None
         tried: set[str] = set()
         for _ in range(self.options.prefill_attempts):
             pick = self.prefill.pick(hashes, frozenset(tried))
@@ -168,9 +175,9 @@ class Dispatcher:
         return None
 
     async def _decode(self, request_id: str, ids: list[int], params: SamplingParams,
-                      kv_transfer_params: dict[str, object] | None, hashes: Sequence[int]
-                      ) -> AsyncGenerator[Step, None]:
-        worker = self._decode_pick(hashes).worker
+                      kv_transfer_params: dict[str, object] | None, hashes: Sequence[int],
+                      pick: Pick | None = None) -> AsyncGenerator[Step, None]:
+        worker = (pick or self._decode_pick(hashes)).worker
         self.decode.acquire(worker, hashes)
         try:
             chunks = cast(AsyncGenerator[pb.DecodeChunk, None], worker.client.decode(
