@@ -95,7 +95,8 @@ class Processor:
         if all(isinstance(m, dict) for m in prompt):
             text = self.apply_chat_template(prompt)  # type: ignore[arg-type]
             return text, list(self.tokenizer(text, add_special_tokens=False).input_ids)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if set(map(type, prompt)) == {int} or all(isinstance(t, int) and not isinstance(t, bool)
+                                                  for t in prompt):  # the first test is the fast one
             return None, list(prompt)  # type: ignore[arg-type]
         raise ValueError("prompt must be a string, a list of token ids or a list of chat messages")
 
@@ -118,9 +119,9 @@ class Processor:
             raise ValueError(
                 f"prompt has {n} tokens, longer than max_model_len={self.max_model_len} allows "
                 f"(the prompt plus at least one output token must fit)")
-        for t in token_ids:
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token id {t} out of range [0, {self.vocab_size})")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} out of range [0, {self.vocab_size})")
 
 
 def child_request_id(request_id: str, index: int) -> str:

@@ -11,17 +11,19 @@ cancelling the decode call on a match.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import itertools
 import json
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
+import pydantic
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,6 +38,7 @@ from engine.processor import Processor, child_request_id
 from engine.sampling_params import SamplingParams
 from protos import worker_pb2 as pb
 from services.router.dispatch import Dispatcher, DispatchOptions, NoWorkerError
+from services.router.hot_path import HotPath, SSEResponse
 from services.router.metrics import RouterMetrics
 from services.router.openai_models import (
     HEALTH_RESPONSES,
@@ -49,6 +52,8 @@ from services.router.openai_models import (
     models_body,
     usage_body,
 )
+
+_Body = TypeVar("_Body", bound=pydantic.BaseModel)
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,10 @@ class Admission:
             self.released = True
             self.gen.inflight -= 1
             self.gen.metrics.running.dec()
+
+    async def release_async(self) -> None:
+        """`release` for Starlette's BackgroundTask, which runs a sync function in a worker thread."""
+        self.release()
 
 
 class Generator:
@@ -263,15 +272,17 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         holder.append(RouterMetrics(config.model, dispatcher.pools))
         state["gen"] = Generator(config, tokenizer, dispatcher, holder[0])
         dispatcher.start()
+        # What exists now (tokenizer, torch, FastAPI, pydantic: millions of objects) lives as long as
+        # the router; out of the collector's sight, collections stay short (as vLLM's server does).
+        gc.freeze()
         try:
             yield
         finally:
+            gc.unfreeze()
             await dispatcher.close()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
     _add_error_handlers(app)
-    if config.api_key:
-        _require_api_key(app, config.api_key)
 
     @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
@@ -353,7 +364,42 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         return await _respond(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", ids, params, body.n,
                               body.stop_strings, body.stream, body.include_usage, chat=True)
 
+    async def completions_from_bytes(raw: bytes) -> Response | None:
+        body = _parse(CompletionRequest, raw)
+        return None if body is None else await completions(body)
+
+    async def chat_from_bytes(raw: bytes) -> Response | None:
+        body = _parse(ChatCompletionRequest, raw)
+        return None if body is None else await chat(body)
+
+    # Added before the API key check, so that check (outside it) still sees every request.
+    app.add_middleware(HotPath, handlers={"/v1/completions": _answering(completions_from_bytes),
+                                          "/v1/chat/completions": _answering(chat_from_bytes)})
+    if config.api_key:
+        _require_api_key(app, config.api_key)
     return app
+
+
+def _parse(model: type[_Body], raw: bytes) -> _Body | None:
+    """The validated body, or None when it is not valid: then FastAPI parses it again (`json.loads`,
+    then the model) and answers with its error handlers' 400. Pydantic's own JSON parser is
+    used here: it gives the validators the same values as `json.loads`, in one pass, ~30% faster."""
+    try:
+        return model.model_validate_json(raw)
+    except (ValueError, RecursionError):  # ValidationError is a ValueError
+        return None
+
+
+def _answering(handler: Callable[[bytes], Awaitable[Response | None]]
+               ) -> Callable[[bytes], Awaitable[Response | None]]:
+    """The handler with its OpenAIErrors turned into their responses, as the app's handler does."""
+    async def answer(raw: bytes) -> Response | None:
+        try:
+            return await handler(raw)
+        except OpenAIError as e:
+            return e.response()
+
+    return answer
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
@@ -428,8 +474,8 @@ async def _respond(gen: Generator, model: str, request_id: str, ids: list[int], 
         if stream:
             streaming = True
             body = _stream(gen, model, request_id, len(ids), n, first, deltas, include_usage, chat, admission)
-            return StreamingResponse(body, media_type="text/event-stream",
-                                     background=BackgroundTask(admission.release))
+            return SSEResponse(body, media_type="text/event-stream",
+                                     background=BackgroundTask(admission.release_async))
         try:
             async with aclosing(deltas):
                 collected = [first] + [d async for d in deltas]

@@ -18,7 +18,9 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     field_validator,
 )
 
@@ -102,25 +104,37 @@ class CompletionRequest(_SamplingFields):
              | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)])  # text or token ids
     logprobs: TopLogprobs | None = None
 
-    @field_validator("prompt", mode="before")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _text_or_token_ids(cls, v: object) -> object:
-        """Names what is wrong before the union's per-member errors would."""
+    def _text_or_token_ids(cls, v: object, handler: ValidatorFunctionWrapHandler) -> object:
+        """A valid prompt is checked by pydantic alone (token ids in Rust, not per id in Python);
+        an invalid one gets an error naming what is wrong before the union's per-member errors."""
+        if isinstance(v, str | list) and v:
+            try:
+                return handler(v)
+            except ValidationError:
+                pass  # JSON integers written as 2.0, or a real error: named below
         if isinstance(v, str | list) and not v:
             raise ValueError("prompt must not be empty")
         if isinstance(v, list):
-            ids = []
-            for i, t in enumerate(v):
-                try:
-                    ids.append(_json_integer(t))
-                except ValueError as e:
-                    raise ValueError(f"token id {i}: {e}") from None
+            ids = _token_ids(v)
             if min(ids) < 0:
                 raise ValueError(f"token ids must not be negative, got {min(ids)}")
-            return ids
+            return handler(ids)
         if not isinstance(v, str):
             raise ValueError(f"must be a string or a list of token ids, got {type(v).__name__}")
-        return v
+        return handler(v)
+
+
+def _token_ids(v: list[object]) -> list[int]:
+    """Each item as a JSON integer, or a ValueError naming the first one that is not."""
+    ids = []
+    for i, t in enumerate(v):
+        try:
+            ids.append(_json_integer(t))
+        except ValueError as e:
+            raise ValueError(f"token id {i}: {e}") from None
+    return ids
 
 
 class TextPart(BaseModel):
