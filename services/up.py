@@ -46,6 +46,10 @@ def add_up_parser(subparsers: Any) -> None:
                    help="pin prefill workers (and their engine cores) to these CPUs, e.g. 0 or 0-1")
     p.add_argument("--decode-cpus", default=None, metavar="LIST",
                    help="pin decode (or colocated) workers to these CPUs")
+    p.add_argument("--kvstore-cpus", default=None, metavar="LIST",
+                   help="pin the KV store to these CPUs (default: unpinned)")
+    p.add_argument("--router-cpus", default=None, metavar="LIST",
+                   help="pin the router to these CPUs (default: unpinned)")
     p.add_argument("--policy", choices=["prefix_aware", "least_loaded"], default="prefix_aware")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts with at most this many uncached tokens skip the prefill pool")
@@ -163,7 +167,8 @@ def _http_ok(url: str) -> bool:
 def run_up(args: argparse.Namespace) -> int:
     from engine.model.loader import resolve_model_path
 
-    parse_cpus(args.prefill_cpus), parse_cpus(args.decode_cpus)  # bad lists fail before anything starts
+    for text in (args.prefill_cpus, args.decode_cpus, args.kvstore_cpus, args.router_cpus):
+        parse_cpus(text)  # bad lists fail before anything starts
     if args.metrics_port_offset:
         ports = [args.prefill_port + i for i in range(0 if args.colocated else args.prefill)]
         ports += [args.decode_port + i for i in range(args.decode)]
@@ -190,7 +195,8 @@ def run_up(args: argparse.Namespace) -> int:
         prefill, decode = [], []
         if not args.colocated:
             launcher.start("kvstore", ["kvstore", "--host", h, "--port", str(args.kvstore_port),
-                                       "--capacity", args.kvstore_capacity, "--log-level", "WARNING"])
+                                       "--capacity", args.kvstore_capacity, "--log-level", "WARNING"],
+                           cpus=parse_cpus(args.kvstore_cpus))
             launcher.wait("kvstore", lambda: _port_open(h, args.kvstore_port), deadline)
             for i in range(args.prefill):
                 target = f"{h}:{args.prefill_port + i}"
@@ -219,7 +225,8 @@ def run_up(args: argparse.Namespace) -> int:
         if args.max_model_len is not None:
             router += ["--max-model-len", str(args.max_model_len)]
         env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None
-        launcher.start("router", router, env)  # the key goes by environment, not argv (ps shows argv)
+        # The API key goes by environment, not argv (ps shows argv).
+        launcher.start("router", router, env, cpus=parse_cpus(args.router_cpus))
         launcher.wait("router", lambda: _http_ok(f"http://{h}:{args.port}/health"), deadline)
         mode = "colocated" if args.colocated else f"{len(prefill)} prefill + {len(decode)} decode"
         print(f"pdserve is up ({mode}, model {args.model}): OpenAI API at http://{h}:{args.port}/v1 "
