@@ -2,7 +2,8 @@
 
 - `colocated`: `pdserve up --colocated`: one engine that prefills and decodes, on every core;
 - `disaggregated`: `pdserve up`: one prefill worker on core 0 and one decode worker on core 1
-  (the KV store and the router beside the decode worker: `--aux-cpus`), KV through the store;
+  (the KV store and the router beside the decode worker by default: `--kvstore-cpus`,
+  `--router-cpus`), KV through the store;
 - `vllm-pd` (when vLLM CPU is installed in .peers/vllm, see loadtest/peers/install_vllm.sh):
   vLLM's own disaggregated setup on the same cores: two `vllm serve` instances with a shared-storage
   KV connector behind a proxy that sends the prompt to the prefill instance with max_tokens=1, then
@@ -90,10 +91,11 @@ def setups(args: argparse.Namespace, out: Path) -> list[tuple[str, Any]]:
     half = max(1, len(cores) // 2)
     pre, dec = cores[:half], cores[half:] or cores[:half]
     as_list = ",".join
-    # The KV store and the router run beside the decode worker unless --aux-cpus says otherwise:
-    # the prefill core is where queueing (TTFT) builds up under a long-prompt load.
-    aux_cpus = as_list(map(str, dec)) if args.aux_cpus == "decode" else args.aux_cpus
-    aux = ["--kvstore-cpus", aux_cpus, "--router-cpus", aux_cpus] if aux_cpus else []
+    named = {"prefill": as_list(map(str, pre)), "decode": as_list(map(str, dec)), "": ""}
+    aux = []
+    for flag, where in (("--kvstore-cpus", args.kvstore_cpus), ("--router-cpus", args.router_cpus)):
+        cpus = named.get(where, where)
+        aux += [flag, cpus] if cpus else []
     runs: list[tuple[str, Any]] = [
         ("colocated", lambda: pdserve("colocated", args.base_port, [
             "--colocated", "--num-threads", str(len(cores)), "--decode-cpus", as_list(map(str, cores))])),
@@ -141,9 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--kv-cache-gib", type=float, default=1.0)
     p.add_argument("--local-prefill-tokens", type=int, default=0)
-    p.add_argument("--aux-cpus", default="decode", metavar="LIST",
-                   help="pdserve split: CPUs for the KV store and the router ('decode' = the decode "
-                        "worker's, '' = unpinned)")
+    p.add_argument("--kvstore-cpus", default="decode", metavar="LIST",
+                   help="pdserve split: the KV store's CPUs ('prefill' / 'decode': that worker's, "
+                        "'' = unpinned, or a list)")
+    p.add_argument("--router-cpus", default="decode", metavar="LIST",
+                   help="pdserve split: the router's CPUs (as --kvstore-cpus)")
     p.add_argument("--startup-timeout-s", type=float, default=600)
     args = p.parse_args(argv)
     args.model_path = args.model_path or args.model

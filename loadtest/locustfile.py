@@ -9,7 +9,8 @@ Two ways to load the server:
   (bounded by `PDSERVE_LT_MAX_INFLIGHT`); run it with `-u 1`.
 
 Configuration by environment (the runner, loadtest/run.py, sets it): PDSERVE_LT_WORKLOAD
-(random | long-prompt | shared-prefix), PDSERVE_LT_MODEL (served model name), PDSERVE_LT_VOCAB,
+(random | long-prompt | shared-prefix | prompt-heavy | smoke), PDSERVE_LT_MODEL (served model
+name), PDSERVE_LT_VOCAB,
 PDSERVE_LT_SEED, PDSERVE_LT_API (completions | chat), PDSERVE_LT_MAX_REQUESTS (the run stops after
 that many requests ended), PDSERVE_LT_TIMEOUT_S (per request), PDSERVE_LT_LOG (a JSON-lines file
 with one record per request, for the report), PDSERVE_LT_API_KEY. Every run is bounded: locust's

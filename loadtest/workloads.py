@@ -5,6 +5,8 @@
   prompts among them (one in five), each answered with a tenth of its length (25..204 tokens).
 - `shared-prefix`: a few long system prompts (4 of 1,024 tokens) shared by many short questions
   (32..96 tokens), 64 output tokens: what prefix caching and prefix-aware routing are for.
+- `prompt-heavy`: 1,024..2,048-token prompts, 8 output tokens: almost all work is prefill (a
+  burst of long prompts: what grows the prefill pool and leaves the decode pool alone).
 - `smoke`: 16..64-token prompts, 8 output tokens: for tests on tiny models with short contexts.
 
 Prompts are token ids (sent as `"prompt": [ids]` to /v1/completions) so their lengths are exact;
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WORKLOADS = ("random", "long-prompt", "shared-prefix", "smoke")
+WORKLOADS = ("random", "long-prompt", "shared-prefix", "prompt-heavy", "smoke")
 SPECIAL_MARGIN = 100  # ids kept clear of the special tokens at both ends of the vocabulary
 
 
@@ -46,6 +48,8 @@ def requests(workload: str, vocab_size: int, seed: int = 0) -> Iterator[RequestS
             spec = RequestSpec(i, _ids(rng, int(rng.integers(64, 513)), vocab_size), 128)
         elif workload == "smoke":
             spec = RequestSpec(i, _ids(rng, int(rng.integers(16, 65)), vocab_size), 8)
+        elif workload == "prompt-heavy":
+            spec = RequestSpec(i, _ids(rng, int(rng.integers(1024, 2049)), vocab_size), 8)
         elif workload == "long-prompt":
             n = 2048 if rng.random() < 0.2 else int(rng.integers(256, 769))
             spec = RequestSpec(i, _ids(rng, n, vocab_size), max(16, min(256, n // 10)))

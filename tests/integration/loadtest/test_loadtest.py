@@ -28,6 +28,8 @@ def test_workloads_are_seeded_and_shaped() -> None:
     assert 8 <= ratio <= 12  # about 10:1 input to output
     shared = [s for s, _ in zip(requests("shared-prefix", 1000), range(40), strict=False)]
     assert len({tuple(s.prompt_ids[:1024]) for s in shared}) == 4
+    heavy = [s for s, _ in zip(requests("prompt-heavy", 1000), range(40), strict=False)]
+    assert all(1024 <= len(s.prompt_ids) <= 2048 and s.max_tokens == 8 for s in heavy)
 
 
 def test_summary_counts_failures_and_goodput() -> None:
