@@ -41,6 +41,9 @@ def quantile(q: float, before: list[tuple[float, float]], after: list[tuple[floa
     return lo
 
 
+MIN_BUSY_S = 0.5  # busy seconds in an interval for a throughput reading
+
+
 class RouterObserver:
     """`await observer.observe(starting={"prefill": 1})` -> an Observation of the last interval."""
 
@@ -52,6 +55,7 @@ class RouterObserver:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
         self._last: _Sample | None = None
+        self._busy: dict[str, tuple[float, float]] = {}  # prefill target -> (prompt tokens, busy s)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -98,6 +102,7 @@ class RouterObserver:
             return None if value is None else value * 1e3
 
         return Observation(
+            prefill_busy_tokens_per_s=self._busy_throughput(prefill),
             time_s=sample.time_s,
             prefill_workers=len(prefill) + starting.get("prefill", 0),
             decode_workers=len(decode) + starting.get("decode", 0),
@@ -108,3 +113,18 @@ class RouterObserver:
             prefill_waiting=sum(int(w["waiting"]) for w in prefill),
             decode_running=sum(int(w["running"]) for w in decode),
             decode_waiting=sum(int(w["waiting"]) for w in decode))
+
+    def _busy_throughput(self, prefill: list[dict[str, Any]]) -> float | None:
+        """Prompt tokens per busy second of the prefill workers over the interval (their engines'
+        own counters), or None when they were busy for under MIN_BUSY_S in all: an idle interval
+        says nothing about capacity."""
+        now = {w["target"]: (float(w.get("prompt_tokens", 0)), float(w.get("busy_seconds", 0.0)))
+               for w in prefill}
+        tokens = busy = 0.0
+        for target, (t, b) in now.items():
+            if target in self._busy:
+                t0, b0 = self._busy[target]
+                if b >= b0 and t >= t0:  # a restarted worker's counters start again from zero
+                    tokens, busy = tokens + t - t0, busy + b - b0
+        self._busy = now
+        return tokens / busy if busy >= MIN_BUSY_S and tokens > 0 else None

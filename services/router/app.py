@@ -311,7 +311,9 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
                              "draining": w.draining, "inflight": w.inflight, "dispatched": w.requests,
                              "waiting": w.load.num_waiting if w.load else 0,
                              "running": w.load.num_running if w.load else 0,
-                             "kv_usage": w.load.kv_usage if w.load else 0.0}
+                             "kv_usage": w.load.kv_usage if w.load else 0.0,
+                             "prompt_tokens": w.load.num_prompt_tokens if w.load else 0,
+                             "busy_seconds": w.load.busy_seconds if w.load else 0.0}
                             for p in state["gen"].dispatcher.pools for w in p.workers]}
 
     @app.post("/admin/workers")

@@ -130,3 +130,32 @@ def test_autoscale_options_read_the_pdserve_environment(monkeypatch: pytest.Monk
     monkeypatch.setenv("PDSERVE_MAX_PREFILL", "lots")
     with pytest.raises(ValueError, match="PDSERVE_MAX_PREFILL"):
         add_autoscale_args(argparse.ArgumentParser())
+
+
+def test_prefill_throughput_is_measured_from_the_workers_busy_counters() -> None:
+    from services.autoscaler.observe import RouterObserver
+
+    obs = RouterObserver("http://127.0.0.1:1")  # no request is sent: only the counter arithmetic
+    w = {"target": "a:1", "prompt_tokens": 0, "busy_seconds": 0.0}
+    assert obs._busy_throughput([w]) is None  # the first reading has nothing to compare with
+    assert obs._busy_throughput([{**w, "prompt_tokens": 3000, "busy_seconds": 2.0}]) == 1500
+    # an idle interval, and one with too little busy time, say nothing about capacity
+    assert obs._busy_throughput([{**w, "prompt_tokens": 3000, "busy_seconds": 2.0}]) is None
+    assert obs._busy_throughput([{**w, "prompt_tokens": 3100, "busy_seconds": 2.1}]) is None
+    # two workers pool their tokens and busy time; a restarted one (counters back at zero) is skipped
+    both = [{**w, "prompt_tokens": 6100, "busy_seconds": 4.1}, {"target": "b:2", "prompt_tokens": 0,
+                                                                   "busy_seconds": 0.0}]
+    assert obs._busy_throughput(both) == pytest.approx(1500)
+    again = [{**w, "prompt_tokens": 100, "busy_seconds": 0.1}, {"target": "b:2", "prompt_tokens": 2000,
+                                                                  "busy_seconds": 1.0}]
+    assert obs._busy_throughput(again) == pytest.approx(2000)
+
+
+def test_measured_prefill_throughput_moves_the_planners_estimate() -> None:
+    p = Planner(CFG)  # configured estimate: 1000 tokens/s per worker
+    for _ in range(10):
+        p.plan(replace(QUIET, prefill_busy_tokens_per_s=400.0))
+    assert p.prefill_tps == pytest.approx(400, rel=0.05)
+    # at 400 tok/s per worker and 80% utilization, 700 tok/s of prompts need 3 workers
+    decisions = run(p, [replace(QUIET, prompt_tokens_per_s=700, prefill_busy_tokens_per_s=400.0)] * 3)
+    assert [(d.pool, d.target) for d in decisions] == [("prefill", 3)]
