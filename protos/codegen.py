@@ -4,9 +4,11 @@
     python protos/codegen.py --check  # exit 1 if the committed files differ (CI runs this)
 
 Generated files are committed so that installing pdserve needs no code generator. They are
-made with the grpcio-tools pinned in pyproject.toml; `--check` under another grpcio-tools
-version (whose output differs in version stamps and formatting) compares what the code means
-instead: the serialized descriptor in each _pb2.py, and the RPC paths in each _pb2_grpc.py.
+made with the grpcio-tools pinned in pyproject.toml. `--check` accepts a file that differs byte
+for byte when it means the same (another grpcio-tools or protobuf build writes other version
+stamps, formatting and literal splits): the FileDescriptorProto each _pb2.py registers (parsed,
+so field order and json_name do not matter), the RPC paths of each _pb2_grpc.py, and the names
+each .pyi stub declares. A .proto edited without regenerating changes the descriptor: caught.
 """
 
 from __future__ import annotations
@@ -47,23 +49,38 @@ def generator_version(grpc_file: Path) -> str | None:
 
 
 def meaning(path: Path) -> object:
-    """What a generated file says, whatever generator version wrote it: the serialized
-    FileDescriptorProto of a _pb2.py, the RPC paths of a _pb2_grpc.py (None for .pyi stubs)."""
+    """What a generated file says, whatever generator version wrote it."""
     text = path.read_text()
     if path.name.endswith("_pb2.py"):
-        match = re.search(r"AddSerializedFile\((b'(?:[^'\\]|\\.)*')\)", text)
-        return ast.literal_eval(match.group(1)) if match else text
+        return _descriptor(text)
     if path.name.endswith("_pb2_grpc.py"):
-        return sorted(set(re.findall(r"'(/[\w.]+/\w+)'", text)))
-    return None
+        return sorted(set(re.findall(r"['\"](/[\w.]+/\w+)['\"]", text)))
+    return sorted(set(re.findall(r"^\s*(?:class|def)?\s*(\w+)\s*[:(]", text, re.M)))  # .pyi names
 
 
-def same(produced: Path, committed: Path, other_generator: bool) -> bool:
+def _descriptor(text: str) -> object:
+    """The FileDescriptorProto a _pb2.py registers (the argument of AddSerializedFile, however the
+    bytes literal is split), with json_name cleared; the text itself if none is found."""
+    from google.protobuf import descriptor_pb2
+
+    for node in ast.walk(ast.parse(text)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "AddSerializedFile" and node.args):
+            proto = descriptor_pb2.FileDescriptorProto.FromString(ast.literal_eval(node.args[0]))
+            messages = list(proto.message_type)
+            while messages:
+                message = messages.pop()
+                messages.extend(message.nested_type)
+                for f in message.field:
+                    f.ClearField("json_name")
+            return proto.SerializeToString(deterministic=True)
+    return text
+
+
+def same(produced: Path, committed: Path) -> bool:
     if not committed.exists():
         return False
-    if filecmp.cmp(produced, committed, shallow=False):
-        return True
-    return other_generator and meaning(produced) == meaning(committed)
+    return filecmp.cmp(produced, committed, shallow=False) or meaning(produced) == meaning(committed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,8 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         ours = generator_version(grpc_files[0]) if grpc_files else None
         committed = generator_version(PROTOS / grpc_files[0].name) \
             if grpc_files and (PROTOS / grpc_files[0].name).exists() else None
-        other = ours != committed
-        stale = [p.name for p in produced if not same(p, PROTOS / p.name, other)]
+        identical = all(PROTOS.joinpath(p.name).exists() and filecmp.cmp(p, PROTOS / p.name, shallow=False)
+                        for p in produced)
+        stale = [p.name for p in produced if not same(p, PROTOS / p.name)]
         expected = {p.name for p in produced}
         extra = [p.name for p in PROTOS.iterdir()
                  if p.name.endswith(("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")) and p.name not in expected]
@@ -88,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"run `python protos/codegen.py` (committed with grpcio-tools {committed}, "
                       f"this environment has {ours})", file=sys.stderr)
                 return 1
-            how = (f"; compared descriptors and RPC paths: generated with grpcio-tools {committed}, "
-                   f"this environment has {ours}" if other else "")
+            how = ("" if identical else f"; same meaning, other bytes: generated with grpcio-tools "
+                                         f"{committed}, this environment has {ours}")
             print(f"protos up to date ({len(produced)} files{how})")
             return 0
         for p in produced:
