@@ -366,42 +366,32 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         return await _respond(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", ids, params, body.n,
                               body.stop_strings, body.stream, body.include_usage, chat=True)
 
-    async def completions_from_bytes(raw: bytes) -> Response | None:
-        body = _parse(CompletionRequest, raw)
-        return None if body is None else await completions(body)
-
-    async def chat_from_bytes(raw: bytes) -> Response | None:
-        body = _parse(ChatCompletionRequest, raw)
-        return None if body is None else await chat(body)
-
     # Added before the API key check, so that check (outside it) still sees every request.
-    app.add_middleware(HotPath, handlers={"/v1/completions": _answering(completions_from_bytes),
-                                          "/v1/chat/completions": _answering(chat_from_bytes)})
+    app.add_middleware(HotPath, handlers={"/v1/completions": _from_bytes(CompletionRequest, completions),
+                                          "/v1/chat/completions": _from_bytes(ChatCompletionRequest, chat)})
     if config.api_key:
         _require_api_key(app, config.api_key)
     return app
 
 
-def _parse(model: type[_Body], raw: bytes) -> _Body | None:
-    """The validated body, or None when it is not valid: then FastAPI parses it again (`json.loads`,
-    then the model) and answers with its error handlers' 400. Pydantic's own JSON parser is
-    used here: it gives the validators the same values as `json.loads`, in one pass, ~30% faster."""
-    try:
-        return model.model_validate_json(raw)
-    except (ValueError, RecursionError):  # ValidationError is a ValueError
-        return None
-
-
-def _answering(handler: Callable[[bytes], Awaitable[Response | None]]
-               ) -> Callable[[bytes], Awaitable[Response | None]]:
-    """The handler with its OpenAIErrors turned into their responses, as the app's handler does."""
-    async def answer(raw: bytes) -> Response | None:
+def _from_bytes(model: type[_Body], endpoint: Callable[[_Body], Awaitable[Response]]
+                ) -> Callable[[bytes], Awaitable[Response | None]]:
+    """A HotPath handler: the raw body validated as `model`, then `endpoint`, its OpenAIErrors
+    turned into their responses as the app's handler does. A body that does not validate gives
+    None: FastAPI then parses it again (`json.loads`, then the model) and answers with its error
+    handlers' 400. Pydantic's own JSON parser gives the validators the same values as
+    `json.loads`, in one pass, ~30% faster."""
+    async def handle(raw: bytes) -> Response | None:
         try:
-            return await handler(raw)
+            body = model.model_validate_json(raw)
+        except (ValueError, RecursionError):  # ValidationError is a ValueError
+            return None
+        try:
+            return await endpoint(body)
         except OpenAIError as e:
             return e.response()
 
-    return answer
+    return handle
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
@@ -477,7 +467,7 @@ async def _respond(gen: Generator, model: str, request_id: str, ids: list[int], 
             streaming = True
             body = _stream(gen, model, request_id, len(ids), n, first, deltas, include_usage, chat, admission)
             return SSEResponse(body, media_type="text/event-stream",
-                                     background=BackgroundTask(admission.release_async))
+                               background=BackgroundTask(admission.release_async))
         try:
             async with aclosing(deltas):
                 collected = [first] + [d async for d in deltas]
