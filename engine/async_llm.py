@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import Any
 
 from engine.config import EngineConfig
@@ -57,11 +57,14 @@ class AsyncLLM:
         sampling_params: SamplingParams | None,
         request_id: str,
         priority: int = 0,
+        on_added: Callable[[], Awaitable[None]] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs; the last one has `finished=True`.
 
         Raises ValueError for bad input (other requests keep running) and EngineDeadError when
-        the core died. A consumer that stops early aborts the request in the core.
+        the core died. A consumer that stops early aborts the request in the core. `on_added` is
+        awaited once the core has the request, before its first output (a server tells its
+        client there that the request was accepted).
         """
         if self._dead is not None:
             raise self._dead
@@ -79,6 +82,8 @@ class AsyncLLM:
             raise
         finished = False
         try:
+            if on_added is not None:
+                await on_added()
             while not finished:
                 output = collector.get_nowait() or await collector.get()
                 finished = output.finished

@@ -50,6 +50,13 @@ class Processor:
         self._validate(token_ids)
         return text, token_ids
 
+    def check_token_ids(self, token_ids: list[int]) -> list[int]:
+        """`preprocess` of a token-id prompt whose items the caller already knows are ints (an
+        API layer validated the request's types): only its length and id range are checked,
+        which spares a per-item type pass over long prompts."""
+        self._validate(token_ids)
+        return token_ids
+
     def make_requests(
         self,
         request_id: str,

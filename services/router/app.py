@@ -90,7 +90,8 @@ class OpenAIError(Exception):
 
 @dataclass
 class Delta:
-    """New output of one sample; the last one has finish_reason set."""
+    """New output of one sample; the last one has finish_reason set. One with neither tokens nor
+    finish_reason (`accepted`) only says a worker has the sample and is computing its prompt."""
 
     index: int
     text: str
@@ -101,6 +102,10 @@ class Delta:
     cached_tokens: int
     text_offset: int = 0  # characters of this sample's token strings before this delta's tokens
     top_n: int = 0  # top logprobs asked for per position
+
+    @property
+    def accepted(self) -> bool:
+        return not self.token_ids and not self.finish_reason
 
 
 class Admission:
@@ -164,6 +169,13 @@ class Generator:
         except ValueError as e:
             raise OpenAIError(400, str(e), param) from e
 
+    def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
+        """A token-id prompt whose items pydantic already checked are ints: length and range only."""
+        try:
+            return self.processor.check_token_ids(token_ids)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param) from e
+
     def params(self, prompt_len: int, max_tokens: int | None, fields: dict[str, Any],
                logprobs: int | None) -> SamplingParams:
         """One sample's SamplingParams; the engine's own checks become 400s naming the field."""
@@ -216,6 +228,9 @@ class Generator:
         start = last = time.perf_counter()
         async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params)) as steps:
             async for step in steps:
+                if not step.token_ids and not step.finish_reason:  # a worker has it: nothing to say yet
+                    yield Delta(index, "", [], [], None, num_tokens, 0)
+                    continue
                 now = time.perf_counter()
                 if step.token_ids:
                     (self.metrics.ttft if num_tokens == 0 else self.metrics.itl).observe(now - last)
@@ -350,7 +365,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
         _check_model(config, body.model)
         gen = state["gen"]
-        ids = gen.tokenize(body.prompt, "prompt")
+        ids = (gen.check_token_ids(body.prompt, "prompt") if isinstance(body.prompt, list)
+               else gen.tokenize(body.prompt, "prompt"))
         params = gen.params(len(ids), body.max_tokens if body.max_tokens is not None else 16,
                             body.sampling_kwargs(), body.logprobs)
         return await _respond(gen, body.model, f"cmpl-{uuid.uuid4().hex}", ids, params, body.n,
@@ -470,7 +486,7 @@ async def _respond(gen: Generator, model: str, request_id: str, ids: list[int], 
                                background=BackgroundTask(admission.release_async))
         try:
             async with aclosing(deltas):
-                collected = [first] + [d async for d in deltas]
+                collected = [d for d in [first] + [d async for d in deltas] if not d.accepted]
         except grpc.RpcError as e:
             raise _rpc_error(e) from e
         return JSONResponse(_full_body(gen, model, request_id, len(ids), n, collected, chat))
@@ -499,15 +515,20 @@ async def _stream_chunks(gen: Generator, model: str, request_id: str, prompt_len
         async with aclosing(deltas):
             delta: Delta | None = first
             while delta is not None:
+                if delta.accepted:
+                    delta = await anext(deltas, None)
+                    continue
+                role_event = ""  # a sample's first chat event names the role; it leaves with the text
                 if chat and delta.index not in started:
                     started.add(delta.index)
                     role = {"index": delta.index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}
-                    yield _sse(completion_body(request_id, model, [role], None, chunk=True, chat=True))
+                    role_event = _sse(completion_body(request_id, model, [role], None, chunk=True, chat=True))
                 if delta.finish_reason:
                     finals[delta.index] = delta
                 choice = _choice(gen, delta, delta.text, chat, stream=True)
-                yield _sse(completion_body(request_id, model, [choice], None, chunk=True, chat=chat))
+                yield role_event + _sse(completion_body(request_id, model, [choice], None, chunk=True,
+                                                        chat=chat))
                 delta = await anext(deltas, None)
     except grpc.RpcError as e:
         error = _rpc_error(e)

@@ -68,7 +68,9 @@ class DispatchOptions:
 
 @dataclass
 class Step:
-    """New tokens of one sample; the last step has finish_reason set (and usage from the worker)."""
+    """New tokens of one sample; the last step has finish_reason set (and usage from the worker).
+    A step with neither tokens nor finish_reason, first if at all, says a worker has accepted the
+    sample: its prompt is being computed (a streamed response can start there)."""
 
     token_ids: list[int]
     logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
@@ -108,9 +110,19 @@ class Dispatcher:
         assert params.max_tokens is not None
         hashes = block_hashes(prompt_ids, self.options.block_size)
         local = self._local_prefill(prompt_ids, hashes)
-        first = None if local is not None else await self._prefill(request_id, prompt_ids, params, hashes)
+        first: PrefillResult | None = None
+        announced = False
+        if local is None:
+            async with aclosing(self._prefill(request_id, prompt_ids, params, hashes)) as items:
+                async for item in items:
+                    if isinstance(item, PrefillResult):
+                        first = item
+                    else:
+                        announced = True
+                        yield item
         if first is None:
-            async for step in self._decode(request_id, prompt_ids, params, None, hashes, local):
+            async for step in self._decode(request_id, prompt_ids, params, None, hashes, local,
+                                           announce=not announced):
                 yield step
             return
         done = params.max_tokens == 1 or first.finish_reason == "stop"
@@ -143,12 +155,14 @@ class Dispatcher:
         return pick
 
     async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       hashes: Sequence[int]) -> PrefillResult | None:
-        """The prefill's result, or None when the decode worker should compute the prompt."""
+                       hashes: Sequence[int]) -> AsyncGenerator[Step | PrefillResult, None]:
+        """An empty Step once a prefill worker has accepted the request, then the prefill's
+        result; no result when the decode worker should compute the prompt."""
         if self.prefill is None:
             self._on_decision("colocated")
-            return None
+            return
         tried: set[str] = set()
+        announced = False
         for _ in range(self.options.prefill_attempts):
             pick = self.prefill.pick(hashes, frozenset(tried))
             if pick is None:
@@ -156,12 +170,13 @@ class Dispatcher:
             worker = pick.worker
             tried.add(worker.target)
             self.prefill.acquire(worker, hashes)
+            call = worker.client.start_prefill(request_id, prompt_ids, params, transfer_id=uuid.uuid4().hex,
+                                               timeout_s=self.options.prefill_timeout_s)
             try:
-                result = await worker.client.prefill(request_id, prompt_ids, params,
-                                                     transfer_id=uuid.uuid4().hex,
-                                                     timeout_s=self.options.prefill_timeout_s)
-                self._on_decision("disaggregated")
-                return result
+                if not announced and await call.accepted():
+                    announced = True
+                    yield Step([])
+                result = await call.result()
             except grpc.RpcError as e:
                 if _code(e) == grpc.StatusCode.INVALID_ARGUMENT:
                     raise
@@ -169,19 +184,24 @@ class Dispatcher:
                 if is_down(e):
                     self.prefill.mark_failed(worker, e)
                 logger.warning("prefill of %s failed on %s: %s", request_id, worker.target, e)
+                continue
             finally:
+                call.cancel()  # no-op once it ended; a consumer that left mid-prefill aborts it
                 self.prefill.release(worker)
+            self._on_decision("disaggregated")
+            yield result
+            return
         self._on_decision("fallback")
-        return None
 
     async def _decode(self, request_id: str, ids: list[int], params: SamplingParams,
                       kv_transfer_params: dict[str, object] | None, hashes: Sequence[int],
-                      pick: Pick | None = None) -> AsyncGenerator[Step, None]:
+                      pick: Pick | None = None, announce: bool = False) -> AsyncGenerator[Step, None]:
         worker = (pick or self._decode_pick(hashes)).worker
         self.decode.acquire(worker, hashes)
         try:
             chunks = cast(AsyncGenerator[pb.DecodeChunk, None], worker.client.decode(
-                request_id, ids, params, kv_transfer_params, timeout_s=self.options.decode_timeout_s))
+                request_id, ids, params, kv_transfer_params, timeout_s=self.options.decode_timeout_s,
+                announce=announce))
             async with aclosing(chunks):  # leaving early cancels the call, which aborts the request
                 async for chunk in chunks:
                     yield Step(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason,

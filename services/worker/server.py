@@ -186,7 +186,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs for one request; errors become status codes, cancel aborts."""
+        """The engine's outputs for one request; errors become status codes, cancel aborts. The
+        call's initial metadata goes out as soon as the engine has the request, so the client
+        knows it was accepted before the first token (the router starts its HTTP response there)."""
         engine = await self._engine(context)
         if not request_id:
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
@@ -194,7 +196,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await _fail(context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running")
         self._active.add(request_id)
         try:
-            async for out in engine.generate(ids, params, request_id):
+            async for out in engine.generate(ids, params, request_id,
+                                             on_added=lambda: context.send_initial_metadata(())):
                 yield out
         except ValueError as e:
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))

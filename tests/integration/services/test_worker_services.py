@@ -193,6 +193,35 @@ async def test_invalid_arguments_are_rejected_with_the_reason(workers: dict[str,
 
 
 @in_module_loop
+async def test_workers_announce_an_accepted_request_before_its_first_token(
+        workers: dict[str, WorkerServer], offline: dict[int, list[int]]) -> None:
+    """`announce=True` / `accepted()`: the worker's initial metadata (sent once its engine has the
+    request) comes first; the tokens after it are unchanged. A rejected call announces nothing."""
+    n = 300
+    async with WorkerClient(workers["colocated"].target) as colocated, \
+            WorkerClient(workers["prefill"].target) as prefill:
+        chunks = [c async for c in colocated.decode("acc-1", prompt_of(n), greedy(NEW_TOKENS), announce=True)]
+        assert not chunks[0].token_ids and not chunks[0].finish_reason
+        assert [t for c in chunks[1:] for t in c.token_ids] == offline[n]
+        call = prefill.start_prefill("acc-2", prompt_of(n), greedy(NEW_TOKENS), transfer_id="acc-2")
+        assert await call.accepted()
+        assert (await call.result()).first_token_id == offline[n][0]
+
+        bad = prefill.start_prefill("acc-3", [10**6], greedy(2))
+        assert not await bad.accepted()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await bad.result()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        got: list[pb.DecodeChunk] = []
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for chunk in colocated.decode("acc-4", [10**6], greedy(2), announce=True):
+                got.append(chunk)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and got == []
+        await wait_idle(colocated)
+        await wait_idle(prefill)
+
+
+@in_module_loop
 async def test_stop_waits_for_in_flight_calls(start_worker: Callable[[str], Awaitable[WorkerServer]]
                                               ) -> None:
     server = await start_worker("colocated")

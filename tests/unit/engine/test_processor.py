@@ -69,3 +69,18 @@ def test_invalid_prompts_raise_value_error_naming_the_problem(processor, prompt,
 def test_longest_prompt_leaves_room_for_one_token(processor):
     (req,) = processor.process("r", [1] * 31, SamplingParams())
     assert len(req.prompt_token_ids) == 31
+
+
+@pytest.mark.parametrize(("prompt", "message"), [
+    ([], "prompt must not be empty"),
+    ([1] * 32, "longer than max_model_len=32"),
+    ([1, 49152], "prompt token id 49152 out of range"),
+    ([3, -1], "prompt token id -1 out of range"),
+])
+def test_check_token_ids_keeps_the_length_and_range_checks(processor, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        processor.check_token_ids(prompt)
+
+
+def test_check_token_ids_gives_back_the_prompt_as_preprocess_does(processor):
+    assert processor.check_token_ids([5, 6, 7]) == processor.preprocess([5, 6, 7])[1] == [5, 6, 7]
