@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.model.linear import linear
 from engine.model.rope import RotaryEmbedding
 
 
@@ -71,13 +72,13 @@ class Attention(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
         qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, -1)
         qk = self.rope(positions, qk)  # [n, num_heads + num_kv_heads, head_dim]
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
-        return F.linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
+        return linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -96,9 +97,9 @@ class MLP(nn.Module):
         self.down_bias = _bias(config.hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
+        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return F.linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
+        return linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
 
 
 class DecoderLayer(nn.Module):

@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.model.layers import DecoderLayer, RMSNorm, _param, head_dim_of
+from engine.model.linear import linear
 from engine.model.rope import RotaryEmbedding
 
 LayerHook = Callable[[int], None]
@@ -95,7 +96,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[n, hidden]` -> float32 logits `[n, vocab_size]`."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face checkpoint tensors (`model.layers.0.self_attn.q_proj.weight`, ...)
