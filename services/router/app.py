@@ -228,7 +228,7 @@ class Generator:
         start = last = time.perf_counter()
         async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params)) as steps:
             async for step in steps:
-                if not step.token_ids and not step.finish_reason:  # a worker has it: nothing to say yet
+                if step.accepted:  # a worker has the sample: nothing to say yet
                     yield Delta(index, "", [], [], None, num_tokens, 0)
                     continue
                 now = time.perf_counter()

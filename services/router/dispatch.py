@@ -77,6 +77,10 @@ class Step:
     finish_reason: str = ""
     cached_tokens: int = 0
 
+    @property
+    def accepted(self) -> bool:
+        return not self.token_ids and not self.finish_reason
+
 
 class Dispatcher:
     """Runs one sample through a prefill worker and a decode worker (or one colocated worker).
