@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import filecmp
+import os
 import re
 import shutil
 import sys
@@ -118,5 +119,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _with_grpc_tools() -> None:
+    """grpcio-tools lives in the project's venv (`make setup`): an interpreter without it (a bare
+    `python3 protos/codegen.py --check`, as a pre-stop hook runs it) re-runs this script under
+    the venv's, instead of failing as if the generated code were out of date."""
+    try:
+        import grpc_tools  # noqa: F401
+    except ModuleNotFoundError:
+        venv_python = ROOT / ".venv" / "bin" / "python"
+        if venv_python.exists() and Path(sys.prefix).resolve() != (ROOT / ".venv").resolve():
+            os.execv(str(venv_python), [str(venv_python), str(Path(__file__).resolve()), *sys.argv[1:]])
+        print("protos/codegen.py needs grpcio-tools: run `make setup` (it installs the venv) or "
+              "`pip install grpcio-tools`", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 if __name__ == "__main__":
+    _with_grpc_tools()
     raise SystemExit(main())
