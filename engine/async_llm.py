@@ -88,7 +88,7 @@ class AsyncLLM:
                 output = collector.get_nowait() or await collector.get()
                 finished = output.finished
                 yield output
-        except (asyncio.CancelledError, GeneratorExit):
+        except BaseException:  # cancelled, closed early, or on_added failed: the core lets go too
             if not finished:
                 self._abort_in_background(request_id)
             raise

@@ -121,6 +121,32 @@ async def test_abort_ends_the_stream_and_frees_blocks(engine) -> None:
 
 
 @in_module_loop
+async def test_on_added_runs_before_the_first_output_and_its_failure_aborts(engine) -> None:
+    """`on_added` (a server telling its client "accepted") comes before any output; if it fails
+    (the client is gone), the request does not stay behind in the core."""
+    seen: list[str] = []
+
+    async def added() -> None:
+        seen.append("added")
+
+    async for _ in engine.generate(PROMPTS[0], greedy(3), "announced", on_added=added):
+        seen.append("output")
+    assert seen[0] == "added" and seen.count("added") == 1 and len(seen) > 1
+
+    async def fails() -> None:
+        raise ConnectionResetError("the client left")
+
+    with pytest.raises(ConnectionResetError):
+        await collect_with(engine, PROMPTS[1], greedy(140), "announce-fails", fails)
+    assert not engine.output_processor.has_unfinished_requests()  # aborted at once, not left to run
+    await assert_blocks_freed(engine)
+
+
+async def collect_with(engine, prompt, params, request_id, on_added) -> list[RequestOutput]:
+    return [out async for out in engine.generate(prompt, params, request_id, on_added=on_added)]
+
+
+@in_module_loop
 async def test_a_consumer_that_stops_aborts_its_request(engine) -> None:
     started = asyncio.Event()
 
