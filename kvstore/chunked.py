@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from kvstore.shm import ShmFile
+
 
 class ChunkedPayload:
     """Parts laid end to end: `parts[i]` starts at `starts[i]`; `size` bytes in all."""
@@ -48,5 +50,6 @@ class ChunkedPayload:
 
 
 def contiguous(data: Any) -> Any:
-    """`data` itself, or one buffer with its bytes when it is a ChunkedPayload."""
-    return data.contiguous() if isinstance(data, ChunkedPayload) else data
+    """`data` itself, or one buffer with its bytes when it is a ChunkedPayload or a
+    shared-memory file (kvstore.shm.ShmFile)."""
+    return data.contiguous() if isinstance(data, ChunkedPayload | ShmFile) else data

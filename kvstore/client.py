@@ -5,12 +5,19 @@ Arrow Flight, control actions, timeouts, and one reconnect-and-retry when the co
 Payloads go out as Arrow buffers laid over the caller's memory (bytes, numpy arrays, tensors
 through `kvstore.lmcache_format.tensor_to_buffer`), and `get_into` copies each received payload
 once, straight into a caller's preallocated buffer (a numpy array or a tensor's numpy view).
+
+Same host (kvstore/shm.py): when the server has a shared-memory directory this process can
+see, puts write each payload once into a file there and send only names, and gets read the
+files the server names; objects the server holds outside that directory still come over
+Flight, and any trouble with the directory (full, gone after a server restart) falls back to
+Flight for that call and asks the server again on the next one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from kvstore import shm
 from kvstore.backend import KVObject
 from kvstore.wire import SCHEMA, Row, as_buffer, iter_objects, object_batch
 from protos import kvstore_pb2 as pb
@@ -36,6 +44,11 @@ CHANNEL_OPTIONS = [("grpc.http2.lookahead_bytes", 64 * 2**20)]
 
 class KVStoreClientError(Exception):
     """The server rejected a call (the message says why) or could not be reached."""
+
+
+class KVStoreRejectedError(KVStoreClientError):
+    """The server refused the request itself (bad key, metadata, size...): sending it another
+    way would not help."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +68,7 @@ class StoreStats:
 class KVStoreClient:
     def __init__(self, location: str = DEFAULT_LOCATION, timeout_s: float = 30.0,
                  streams: int = 4, parallel_bytes: int = 2 * 2**20,
-                 split_put_bytes: int = 16 * 2**20) -> None:
+                 split_put_bytes: int = 16 * 2**20, use_shm: bool = True) -> None:
         if "://" not in location:
             location = f"grpc://{location}"
         if streams < 1 or parallel_bytes < 1 or split_put_bytes < 1:
@@ -70,6 +83,9 @@ class KVStoreClient:
         self._pool: list[flight.FlightClient] = []
         self._pool_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
+        self.use_shm = use_shm
+        self._shm_dir: str | None = None
+        self._shm_checked = False
 
     # --- connection -------------------------------------------------------------------
     def _conn(self) -> flight.FlightClient:
@@ -93,7 +109,9 @@ class KVStoreClient:
                 logger.info("%s: reconnecting to %s", op, self.location)
             except flight.FlightTimedOutError as exc:
                 raise KVStoreClientError(f"{op}: timed out after {self.timeout_s} s") from exc
-            except (pa.ArrowInvalid, flight.FlightServerError, flight.FlightInternalError) as exc:
+            except pa.ArrowInvalid as exc:
+                raise KVStoreRejectedError(f"{op}: {_server_message(exc)}") from exc
+            except (flight.FlightServerError, flight.FlightInternalError) as exc:
                 raise KVStoreClientError(f"{op}: {_server_message(exc)}") from exc
         raise AssertionError("unreachable")
 
@@ -116,6 +134,77 @@ class KVStoreClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # --- same-host data path ---------------------------------------------------------
+    def shm_dir(self) -> str | None:
+        """The server's shared-memory directory when this process sees it, else None (asked
+        once; again after a failure)."""
+        if not self.use_shm:
+            return None
+        if not self._shm_checked:
+            try:
+                info = self._action("shm_info", pb.Empty(), pb.ShmInfo)
+                self._shm_dir = shm.usable_dir(info.dir, info.token)
+            except KVStoreClientError as exc:
+                if "unknown action" not in str(exc):
+                    raise  # unreachable etc.: the caller's Flight call says so
+                self._shm_dir = None  # a server without this path
+            self._shm_checked = True
+        return self._shm_dir
+
+    def _shm_failed(self, op: str, exc: Exception) -> None:
+        logger.info("%s through shared memory failed (%s); using Flight", op, exc)
+        self._shm_dir, self._shm_checked = None, False
+
+    def _shm_put(self, directory: str, items: Sequence[tuple[str, bytes, Any]],
+                 ttl_s: float | None) -> None:
+        req = pb.ShmPutRequest(ttl_s=ttl_s or 0.0)
+        try:
+            for key, meta, data in items:
+                buf = as_buffer(data)
+                req.objects.add(key=key, metadata=meta, file=shm.write_file(directory, buf),
+                                size=buf.size)
+            self._action("shm_put", req, pb.CountResponse)
+        except BaseException:
+            for obj in req.objects:  # the server deletes what it did not adopt; in case it
+                shm.discard_file(directory, obj.file)  # never got the call
+            raise
+
+    def _shm_get(self, directory: str, keys: Sequence[str], outs: Sequence[Any] | None = None
+                 ) -> list[tuple[bytes, Any] | None]:
+        """Per key (metadata, payload array) or None; objects outside shared memory (or
+        dropped since the server named their file) come over Flight."""
+        resp = self._action("shm_get", pb.KeysRequest(keys=list(keys)), pb.ShmGetResponse)
+        if len(resp.objects) != len(keys):
+            raise KVStoreClientError(f"shm_get: {len(resp.objects)} answers for {len(keys)} keys")
+        out: list[tuple[bytes, Any] | None] = []
+        rest: list[int] = []
+        for i, (key, obj) in enumerate(zip(keys, resp.objects, strict=True)):
+            if obj.key != key:
+                raise KVStoreClientError(f"shm_get: the answer for {key!r} is out of order")
+            out.append(None)
+            if not obj.found:
+                continue
+            if not obj.file:
+                rest.append(i)
+                continue
+            dst = None if outs is None else _out_bytes(key, outs[i], obj.size)
+            try:
+                out[i] = (obj.metadata, shm.read_file(directory, obj.file, obj.size, dst))
+            except FileNotFoundError:
+                _check_dir(directory)
+                rest.append(i)
+        if rest:
+            for i, fetched in zip(rest, self._fetch([keys[i] for i in rest]), strict=True):
+                if fetched is None:
+                    continue
+                meta, total, pieces = fetched
+                dst = (np.empty(total, dtype=np.uint8) if outs is None
+                       else _out_bytes(keys[i], outs[i], total))
+                for p in pieces:
+                    dst[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
+                out[i] = (meta, dst)
+        return out
 
     # --- data plane -------------------------------------------------------------------
     def _pool_conn(self, i: int) -> flight.FlightClient:
@@ -143,6 +232,16 @@ class KVStoreClient:
         each object only once all of it arrived."""
         if not items:
             return
+        if self.use_shm:
+            try:
+                directory = self.shm_dir()
+                if directory is not None:
+                    self._shm_put(directory, items, ttl_s)
+                    return
+            except KVStoreRejectedError:
+                raise
+            except (OSError, KVStoreClientError) as exc:
+                self._shm_failed("put", exc)
         command = pb.PutRequest(ttl_s=ttl_s or 0.0).SerializeToString()
         descriptor = flight.FlightDescriptor.for_command(command)
         lanes: list[list[pa.RecordBatch]] = [[] for _ in range(self.streams)]
@@ -215,6 +314,16 @@ class KVStoreClient:
         """The objects (payloads as pyarrow Buffers), None where a key is absent."""
         if not keys:
             return []
+        if self.use_shm:
+            try:
+                directory = self.shm_dir()
+                if directory is not None:
+                    return [None if got is None else KVObject(got[0], pa.py_buffer(got[1]))
+                            for got in self._shm_get(directory, keys)]
+            except KVStoreRejectedError:
+                raise
+            except (OSError, KVStoreClientError) as exc:
+                self._shm_failed("get", exc)
         out: list[KVObject | None] = []
         for fetched in self._fetch(keys):
             if fetched is None:
@@ -231,6 +340,49 @@ class KVStoreClient:
             out.append(KVObject(meta, buf))
         return out
 
+    def get_stream(self, keys: Sequence[str], batch: int = 8
+                   ) -> Iterator[tuple[int, KVObject | None]]:
+        """Yields (index in `keys`, object or None) for every key, in order, holding one payload
+        at a time: through shared memory each payload is read into one reused buffer, valid only
+        until the next item (copy what you keep), in one round trip for all keys; over Flight,
+        `batch` keys per call."""
+        directory = None
+        if self.use_shm and keys:
+            try:
+                directory = self.shm_dir()
+                resp = self._action("shm_get", pb.KeysRequest(keys=list(keys)), pb.ShmGetResponse)
+                if len(resp.objects) != len(keys):
+                    raise KVStoreClientError(f"shm_get: {len(resp.objects)} answers for "
+                                             f"{len(keys)} keys")
+            except KVStoreRejectedError:
+                raise
+            except (OSError, KVStoreClientError) as exc:
+                self._shm_failed("get", exc)
+                directory = None
+        if directory is None:
+            for lo in range(0, len(keys), batch):
+                yield from enumerate(self.get(keys[lo:lo + batch]), start=lo)
+            return
+        scratch = np.empty(0, dtype=np.uint8)
+        for i, (key, obj) in enumerate(zip(keys, resp.objects, strict=True)):
+            if obj.key != key:
+                raise KVStoreClientError(f"shm_get: the answer for {key!r} is out of order")
+            if not obj.found:
+                yield i, None
+                continue
+            if obj.file:
+                if scratch.size < obj.size:
+                    scratch = np.empty(obj.size, dtype=np.uint8)
+                try:
+                    data = shm.read_file(directory, obj.file, obj.size, scratch[:obj.size])
+                except FileNotFoundError:  # dropped since: whatever the store has now
+                    if not os.path.isdir(directory):  # the server restarted: ask it again
+                        self._shm_failed("get", FileNotFoundError(directory))
+                else:
+                    yield i, KVObject(obj.metadata, pa.py_buffer(data))
+                    continue
+            yield i, self.get([key])[0]
+
     def get_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[bytes | None]:
         """Copies each found payload into `outs[i]` (a writable numpy array or anything
         `np.asarray` views without copying, e.g. `tensor.numpy()`), which must have exactly the
@@ -240,16 +392,23 @@ class KVStoreClient:
             raise ValueError(f"get_into: {len(keys)} keys but {len(outs)} output buffers")
         if not keys:
             return []
+        if self.use_shm:
+            try:
+                directory = self.shm_dir()
+                if directory is not None:
+                    return [None if got is None else got[0]
+                            for got in self._shm_get(directory, keys, outs)]
+            except KVStoreRejectedError:
+                raise
+            except (OSError, KVStoreClientError) as exc:
+                self._shm_failed("get", exc)
         metas: list[bytes | None] = []
         for key, fetched, out in zip(keys, self._fetch(keys), outs, strict=True):
             if fetched is None:
                 metas.append(None)
                 continue
             meta, total, pieces = fetched
-            dst = np.asarray(out).reshape(-1).view(np.uint8)
-            if dst.size != total:
-                raise ValueError(f"get_into {key!r}: output holds {dst.size} bytes, the object "
-                                 f"has {total}")
+            dst = _out_bytes(key, out, total)
             for p in pieces:
                 dst[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
             metas.append(meta)
@@ -311,6 +470,21 @@ class KVStoreClient:
             return str(results[0].body.to_pybytes().decode())
 
         return self._call("metrics", run)
+
+
+def _check_dir(directory: str) -> None:
+    """Raises when the shared-memory directory itself is gone (the server restarted)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"shared-memory directory {directory} is gone")
+
+
+def _out_bytes(key: str, out: Any, total: int) -> np.ndarray:
+    """`out` viewed as `total` writable bytes (ValueError naming the key if it is not)."""
+    dst = np.asarray(out).reshape(-1).view(np.uint8)
+    if dst.size != total:
+        raise ValueError(f"get_into {key!r}: output holds {dst.size} bytes, the object "
+                         f"has {total}")
+    return dst
 
 
 def _rest_of_range(rows: Iterator[Row], key: str, first: Row, start: int, end: int) -> list[Row]:

@@ -21,6 +21,7 @@ from kvstore.assembler import PartAssembler
 from kvstore.backend import Backend, KVObject, KVStoreError
 from kvstore.chunked import ChunkedPayload
 from kvstore.metrics import StoreMetrics
+from kvstore.shm import ShmArea, ShmFile
 from kvstore.validation import check_key, check_metadata
 from kvstore.wire import SCHEMA, as_buffer, iter_objects, object_batch
 from protos import kvstore_pb2 as pb
@@ -37,7 +38,7 @@ class KVStoreServer(flight.FlightServerBase):
 
     def __init__(self, backend: Backend, location: str = "grpc://127.0.0.1:0",
                  max_object_bytes: int | None = None, validate: bool = True,
-                 default_ttl_s: float | None = None) -> None:
+                 default_ttl_s: float | None = None, shm_root: str | None = None) -> None:
         super().__init__(location)
         self.backend = backend
         self.max_object_bytes = max_object_bytes
@@ -50,8 +51,16 @@ class KVStoreServer(flight.FlightServerBase):
             "lookup": self._lookup, "exists": self._exists, "delete": self._delete,
             "lease": self._lease, "release": self._release, "pin": self._pin,
             "unpin": self._unpin, "stats": self._stats, "health": self._health,
-            "metrics": self._metrics,
+            "metrics": self._metrics, "shm_info": self._shm_info, "shm_put": self._shm_put,
+            "shm_get": self._shm_get,
         }
+        # Same-host data path (kvstore/shm.py): a directory under `shm_root`, or none.
+        self.shm = ShmArea(shm_root) if shm_root else None
+
+    def close_shm(self) -> None:
+        """Removes the shared-memory directory (after `shutdown`)."""
+        if self.shm is not None:
+            self.shm.close()
 
     # --- data plane -------------------------------------------------------------------
     def do_put(self, context: Any, descriptor: flight.FlightDescriptor,
@@ -92,7 +101,7 @@ class KVStoreServer(flight.FlightServerBase):
             raise pa.ArrowInvalid(f"put: ttl_s must be >= 0, got {req.ttl_s}")
         return req.ttl_s or self.default_ttl_s
 
-    def _store(self, key: str, meta: bytes, payload: pa.Buffer | ChunkedPayload,
+    def _store(self, key: str, meta: bytes, payload: pa.Buffer | ChunkedPayload | ShmFile,
                ttl: float | None) -> None:
         if self.validate:
             check_key(key)
@@ -193,12 +202,75 @@ class KVStoreServer(flight.FlightServerBase):
     def _metrics(self, body: bytes) -> bytes:
         return self.metrics.exposition(self.backend.stats())
 
+    # --- same-host data path ------------------------------------------------------------
+    def _shm_info(self, body: bytes) -> bytes:
+        if self.shm is None:
+            return pb.ShmInfo().SerializeToString()
+        return pb.ShmInfo(dir=self.shm.dir, token=self.shm.token).SerializeToString()
+
+    def _shm_area(self, op: str) -> ShmArea:
+        if self.shm is None:
+            raise pa.ArrowInvalid(f"{op}: this store has no shared-memory directory "
+                                  f"(started with --shm-dir off); use DoGet / DoPut")
+        return self.shm
+
+    def _shm_put(self, body: bytes) -> bytes:
+        start = time.perf_counter()
+        area = self._shm_area("shm_put")
+        req = _parse(pb.ShmPutRequest, body, "shm_put")
+        objects = list(req.objects)
+        try:
+            if req.ttl_s < 0:
+                raise pa.ArrowInvalid(f"shm_put: ttl_s must be >= 0, got {req.ttl_s}")
+            if len(objects) > MAX_KEYS_PER_CALL:
+                raise pa.ArrowInvalid(f"shm_put: {len(objects)} objects in one call, at most "
+                                      f"{MAX_KEYS_PER_CALL}")
+            ttl = req.ttl_s or self.default_ttl_s
+            stored = 0
+            for obj in objects:
+                if self.validate:
+                    check_key(obj.key)
+                self._check_size(obj.key, len(obj.metadata) + obj.size)
+                # Adopted, the file is the store's: dropped (even by a failing check) = deleted.
+                self._store(obj.key, obj.metadata, area.adopt(obj.file, obj.size), ttl)
+                stored += 1
+            return _count(stored)
+        except (KVStoreError, pa.ArrowInvalid):
+            self.metrics.errors.labels("put").inc()
+            raise
+        finally:
+            for obj in objects:  # those not adopted (after a failure): nobody else will
+                area.discard(obj.file)
+            area.sweep()
+            self.metrics.put_latency.observe(time.perf_counter() - start)
+
+    def _shm_get(self, body: bytes) -> bytes:
+        start = time.perf_counter()
+        self._shm_area("shm_get")
+        out = pb.ShmGetResponse()
+        nbytes = 0
+        for key in self._keys(body, "shm_get"):
+            obj = self.backend.get(key)
+            if obj is None:
+                out.objects.add(key=key, found=False)
+            elif isinstance(obj.data, ShmFile):
+                out.objects.add(key=key, found=True, metadata=obj.metadata, file=obj.data.name,
+                                size=obj.data.size)
+                nbytes += obj.data.size
+            else:  # put over Flight, or a backend outside this process: DoGet
+                out.objects.add(key=key, found=True, metadata=obj.metadata, size=len(obj.data))
+        self.metrics.get_bytes.inc(nbytes)
+        self.metrics.get_latency.observe(time.perf_counter() - start)
+        return out.SerializeToString()
+
 
 def _batches(key: str, obj: KVObject | None, offset: int, length: int) -> list[pa.RecordBatch]:
     """The object, or its byte range [offset, offset + length) (length 0 = to the end): one
     row, or one row per stored part the range covers (each with its offset; zero-copy)."""
     if obj is None:
         return [object_batch(key, b"", b"", found=False, total=0)]
+    if isinstance(obj.data, ShmFile):
+        obj = KVObject(obj.metadata, obj.data.contiguous())
     if isinstance(obj.data, ChunkedPayload):
         size = obj.data.size
         start = min(offset, size)

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvstore.backend import Backend
 from kvstore.server import KVStoreServer
+from kvstore.shm import resolve_root
 from kvstore.sizes import parse_size
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ class StoreOptions:
     lm_port: int | None = None
     metrics_port: int | None = None
     validate: bool = True
+    # Same-host data path (kvstore/shm.py): "auto" = a directory under /dev/shm when there is
+    # one, "off", or a directory to create it under (e.g. a volume shared with the workers).
+    shm_dir: str = "auto"
 
 
 def build_backend(opts: StoreOptions) -> Backend:
@@ -63,7 +67,7 @@ class KVStoreService:
         max_obj = parse_size(opts.max_object_size, "max_object_size") if opts.max_object_size else None
         self.server = KVStoreServer(self.backend, f"grpc://{opts.host}:{opts.port}",
                                     max_object_bytes=max_obj, validate=opts.validate,
-                                    default_ttl_s=opts.ttl_s)
+                                    default_ttl_s=opts.ttl_s, shm_root=resolve_root(opts.shm_dir))
         self.lm_server: Any = None
         self._metrics_httpd: Any = None
         self._thread: threading.Thread | None = None
@@ -89,8 +93,10 @@ class KVStoreService:
 
             self._metrics_httpd, _ = start_http_server(self.opts.metrics_port, addr=self.opts.host,
                                                        registry=self.server.metrics.registry)
-        logger.info("kvstore (%s backend) on %s%s", self.backend.name, self.location,
-                    f", lm:// on {self.lm_server.port}" if self.lm_server is not None else "")
+        shm = self.server.shm
+        logger.info("kvstore (%s backend) on %s%s%s", self.backend.name, self.location,
+                    f", lm:// on {self.lm_server.port}" if self.lm_server is not None else "",
+                    f", same-host payloads in {shm.dir}" if shm is not None else "")
         return self
 
     def stop(self) -> None:
@@ -101,6 +107,7 @@ class KVStoreService:
         self.server.shutdown()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.server.close_shm()
         self.backend.close()
 
     def __enter__(self) -> KVStoreService:
@@ -123,6 +130,9 @@ def add_kvstore_parser(subparsers: Any) -> None:
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics over HTTP")
     p.add_argument("--no-validate", action="store_true",
                    help="accept any key and metadata (not only LMCache keys / RemoteMetadata)")
+    p.add_argument("--shm-dir", default="auto", metavar="auto|off|DIR",
+                   help="same-host data path: clients that see this directory exchange payloads "
+                        "as files in it instead of over the network (auto: under /dev/shm)")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run_kvstore)
 
@@ -131,7 +141,8 @@ def run_kvstore(args: argparse.Namespace) -> int:
     opts = StoreOptions(backend=args.backend, capacity=args.capacity,
                         max_object_size=args.max_object_size, redis_url=args.redis_url,
                         ttl_s=args.ttl, host=args.host, port=args.port, lm_port=args.lm_port,
-                        metrics_port=args.metrics_port, validate=not args.no_validate)
+                        metrics_port=args.metrics_port, validate=not args.no_validate,
+                        shm_dir=args.shm_dir)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before anything can signal us
         signal.signal(sig, lambda *_: stop.set())

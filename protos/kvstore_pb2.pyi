@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -85,3 +85,39 @@ class HealthResponse(_message.Message):
     status: str
     backend: str
     def __init__(self, status: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
+class ShmInfo(_message.Message):
+    __slots__ = ("dir", "token")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    token: str
+    def __init__(self, dir: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class ShmObject(_message.Message):
+    __slots__ = ("key", "metadata", "file", "size", "found")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    metadata: bytes
+    file: str
+    size: int
+    found: bool
+    def __init__(self, key: _Optional[str] = ..., metadata: _Optional[bytes] = ..., file: _Optional[str] = ..., size: _Optional[int] = ..., found: _Optional[bool] = ...) -> None: ...
+
+class ShmPutRequest(_message.Message):
+    __slots__ = ("objects", "ttl_s")
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    objects: _containers.RepeatedCompositeFieldContainer[ShmObject]
+    ttl_s: float
+    def __init__(self, objects: _Optional[_Iterable[_Union[ShmObject, _Mapping]]] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+
+class ShmGetResponse(_message.Message):
+    __slots__ = ("objects",)
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    objects: _containers.RepeatedCompositeFieldContainer[ShmObject]
+    def __init__(self, objects: _Optional[_Iterable[_Union[ShmObject, _Mapping]]] = ...) -> None: ...

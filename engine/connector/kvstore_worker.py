@@ -202,56 +202,69 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             self._layer_events[layer].wait()
 
     def _load(self, spec: LoadSpec) -> tuple[int, str | None]:
-        """Loads layer by layer; returns (tokens valid from the start, first error or None)."""
+        """Loads every layer (one store call for all objects where the store shares memory
+        with this process); returns (tokens valid from the start, first error or None)."""
         start = time.perf_counter()
         state = _LoadState(spec.end)
+        chunks = self._chunks(spec)
+        keys = [f"{spec.chunk_keys[c]}@{layer}" for layer in range(len(self.kv_caches))
+                for c in chunks]
         try:
-            for layer in range(len(self.kv_caches)):
-                self._load_layer(spec, layer, state)
+            for i, obj in self._load_client.get_stream(keys, batch=len(chunks)):
+                self._apply(spec, i // len(chunks), chunks[i % len(chunks)], obj, state)
         except Exception as exc:  # store unreachable etc.: nothing loaded
             state.valid, state.error = spec.start, f"loading from the KV store failed: {exc}"
         finally:
             self._record_load(spec, state, time.perf_counter() - start)
         return max(state.valid, spec.start), state.error
 
+    def _chunks(self, spec: LoadSpec) -> list[int]:
+        cs = self.chunk_size
+        return list(range(spec.start // cs, (spec.end - 1) // cs + 1))
+
     def _load_layer(self, spec: LoadSpec, layer: int, state: _LoadState,
                     client: Any = None) -> None:
-        """Writes one layer of the spec's chunks; a missing or mismatched object lowers
+        """Writes one layer of the spec's chunks."""
+        chunks = self._chunks(spec)
+        client = client if client is not None else self._load_client
+        objs = client.get([f"{spec.chunk_keys[c]}@{layer}" for c in chunks])
+        for c, obj in zip(chunks, objs, strict=True):
+            self._apply(spec, layer, c, obj, state)
+
+    def _apply(self, spec: LoadSpec, layer: int, c: int, obj: Any, state: _LoadState) -> None:
+        """Writes chunk `c` of `layer` from its object; a missing or mismatched object lowers
         `state.valid` to the tokens before it."""
         from kvstore.lmcache_format import RemoteMetadata, buffer_to_tensor
 
         cs = self.chunk_size
         kv = self.kv_caches[layer]
-        chunks = list(range(spec.start // cs, (spec.end - 1) // cs + 1))
         width = kv.shape[3] * kv.shape[4]
-        client = client if client is not None else self._load_client
-        objs = client.get([f"{spec.chunk_keys[c]}@{layer}" for c in chunks])
-        state.nbytes += sum(len(obj.data) for obj in objs if obj is not None)
-        for c, obj in zip(chunks, objs, strict=True):
-            lo, hi = max(spec.start, c * cs), min(spec.end, (c + 1) * cs)
-            if hi <= lo or lo >= state.valid:
-                continue
-            problem = None
-            if obj is None:
-                problem = "missing"
-            else:
-                try:
-                    meta = RemoteMetadata.unpack(obj.metadata)
-                    shape = meta.shapes[0]
-                    n = shape[0]
-                    if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width)
-                            or meta.dtypes[0] != str(kv.dtype).removeprefix("torch.")
-                            or c * cs + n < hi):
-                        problem = f"does not match ({meta.length} bytes, shape {shape})"
-                except ValueError as exc:
-                    problem = f"has bad metadata: {exc}"
-            if problem is not None:
-                state.valid = min(state.valid, lo)
-                state.error = state.error or f"KV object of chunk {c} layer {layer} {problem}"
-                continue
-            assert obj is not None
-            data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
-            scatter_tokens(kv, spec.block_ids, lo, data[lo - c * cs: hi - c * cs])
+        if obj is not None:
+            state.nbytes += len(obj.data)
+        lo, hi = max(spec.start, c * cs), min(spec.end, (c + 1) * cs)
+        if hi <= lo or lo >= state.valid:
+            return
+        problem = None
+        if obj is None:
+            problem = "missing"
+        else:
+            try:
+                meta = RemoteMetadata.unpack(obj.metadata)
+                shape = meta.shapes[0]
+                n = shape[0]
+                if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width)
+                        or meta.dtypes[0] != str(kv.dtype).removeprefix("torch.")
+                        or c * cs + n < hi):
+                    problem = f"does not match ({meta.length} bytes, shape {shape})"
+            except ValueError as exc:
+                problem = f"has bad metadata: {exc}"
+        if problem is not None:
+            state.valid = min(state.valid, lo)
+            state.error = state.error or f"KV object of chunk {c} layer {layer} {problem}"
+            return
+        assert obj is not None
+        data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
+        scatter_tokens(kv, spec.block_ids, lo, data[lo - c * cs: hi - c * cs])
 
     # --- layer-wise loads: inside the step, the forward waits for each layer it needs ----------
     def _start_layerwise(self, specs: list[LoadSpec]) -> None:

@@ -1,6 +1,8 @@
 """The KV store server and client over real Arrow Flight on loopback: round trips (zero-copy
 tensor payloads), lookups, control actions, metrics, and bad input: every error is clear, the
-server keeps serving, no partial object is ever readable, accounting returns to zero."""
+server keeps serving, no partial object is ever readable, accounting returns to zero. Tests
+through the `client` fixture run twice: over Flight, and with payloads through the server's
+shared-memory directory (kvstore/shm.py; its own cases are in test_shm_path.py)."""
 
 from __future__ import annotations
 
@@ -46,9 +48,16 @@ def store() -> Iterator[KVStoreService]:
         yield service
 
 
+@pytest.fixture(params=["flight", "shm"])
+def client(store: KVStoreService, request: pytest.FixtureRequest) -> Iterator[KVStoreClient]:
+    with KVStoreClient(store.location, timeout_s=20, use_shm=request.param == "shm") as c:
+        assert (c.shm_dir() is not None) == (request.param == "shm")
+        yield c
+
+
 @pytest.fixture
-def client(store: KVStoreService) -> Iterator[KVStoreClient]:
-    with KVStoreClient(store.location, timeout_s=20) as c:
+def flight_client(store: KVStoreService) -> Iterator[KVStoreClient]:
+    with KVStoreClient(store.location, timeout_s=20, use_shm=False) as c:
         yield c
 
 
@@ -177,13 +186,14 @@ def _kill_mid_put_script(location: str, key: str, meta: bytes, nbytes: int) -> s
         from kvstore.client import KVStoreClient
         data = np.full({nbytes}, 7, dtype=np.uint8)
         print("ready", flush=True)
-        KVStoreClient({location!r}).put([({key!r}, {meta!r}, data)])
+        KVStoreClient({location!r}, use_shm=False).put([({key!r}, {meta!r}, data)])
         print("done", flush=True)
     """)
 
 
 def test_a_client_killed_mid_put_never_leaves_a_partial_object(store: KVStoreService,
-                                                               client: KVStoreClient) -> None:
+                                                               flight_client: KVStoreClient) -> None:
+    client = flight_client
     nbytes = 16 * 2**20 - 64
     keys = []
     for attempt, delay in enumerate((0.0, 0.02, 0.05, 0.1, 0.3)):
@@ -273,7 +283,7 @@ def test_large_objects_travel_in_parallel_parts_and_ranges(store: KVStoreService
     """Objects over split_put_bytes go out as parts over several streams, objects over
     parallel_bytes come back in byte ranges; the bytes are the same whatever the split."""
     with KVStoreClient(store.location, streams=streams, parallel_bytes=64 * 1024,
-                       split_put_bytes=64 * 1024) as c:
+                       split_put_bytes=64 * 1024, use_shm=False) as c:
         tensors = [torch.randn(n) for n in (1000, 100_003, 600_001)]
         c.put([item(i, t) for i, t in enumerate(tensors)])
         keys = [CHUNK.layer(i).to_string() for i in range(len(tensors))]
@@ -286,7 +296,9 @@ def test_large_objects_travel_in_parallel_parts_and_ranges(store: KVStoreService
         assert c.stats().objects == 3
 
 
-def test_parts_that_overlap_or_overflow_are_rejected_and_nothing_is_stored(client: KVStoreClient) -> None:
+def test_parts_that_overlap_or_overflow_are_rejected_and_nothing_is_stored(
+        flight_client: KVStoreClient) -> None:
+    client = flight_client
     import pyarrow.flight as flight
 
     from kvstore.wire import SCHEMA, object_batch
@@ -317,7 +329,7 @@ def test_an_object_put_in_parts_reads_whole_over_lm_and_from_redis(redis_url: st
     for opts in (StoreOptions(capacity="64MiB", port=0, lm_port=0),
                  StoreOptions(backend="redis", redis_url=redis_url, port=0)):
         with KVStoreService(opts) as service, \
-             KVStoreClient(service.location, streams=3, split_put_bytes=4096) as c:
+             KVStoreClient(service.location, streams=3, split_put_bytes=4096, use_shm=False) as c:
             c.put([(key, meta, payload)])
             obj = c.get([key])[0]
             assert obj is not None and obj.data.to_pybytes() == tensor.numpy().tobytes()
