@@ -49,9 +49,13 @@ class EngineConfig:
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     kv_chunk_size: int = 256
     kv_lease_s: float = 60.0
-    # "async": the request waits in WAITING_FOR_REMOTE_KVS while its KV loads, others run;
-    # "layerwise": loaded inside the step that computes the rest, each layer waited for in turn.
-    kv_load_mode: Literal["async", "layerwise"] = "async"
+    # "async": the request waits in WAITING_FOR_REMOTE_KVS while its KV loads, others run (it
+    # joins the step after the one its load finished in);
+    # "layerwise": loaded inside the step that computes the rest, each layer waited for in turn
+    # (one step sooner for the request, that step longer by the load for the others);
+    # "auto": layer-wise for loads of at most kv_layerwise_max_tokens tokens, async above.
+    kv_load_mode: Literal["auto", "async", "layerwise"] = "auto"
+    kv_layerwise_max_tokens: int = 2048
     kv_stream_layers: bool = True  # False: send a step's KV after its last layer (for comparison)
     num_kv_blocks: int | None = None
     max_num_seqs: int = 64
@@ -78,8 +82,10 @@ class EngineConfig:
                f"must be 'recompute' or 'fail', got {self.kv_load_failure_policy!r}")
         _check(self.kv_chunk_size >= 1 and self.kv_chunk_size % self.block_size == 0,
                "kv_chunk_size", f"must be a positive multiple of block_size, got {self.kv_chunk_size}")
-        _check(self.kv_load_mode in ("async", "layerwise"), "kv_load_mode",
-               f"must be 'async' or 'layerwise', got {self.kv_load_mode!r}")
+        _check(self.kv_load_mode in ("auto", "async", "layerwise"), "kv_load_mode",
+               f"must be 'auto', 'async' or 'layerwise', got {self.kv_load_mode!r}")
+        _check(self.kv_layerwise_max_tokens >= 0, "kv_layerwise_max_tokens",
+               f"must be non-negative, got {self.kv_layerwise_max_tokens}")
         _check(self.kv_lease_s > 0, "kv_lease_s", f"must be positive, got {self.kv_lease_s}")
         _check(self.attention_backend in _BACKENDS, "attention_backend",
                f"must be one of {_BACKENDS}, got {self.attention_backend!r}")

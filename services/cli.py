@@ -114,6 +114,11 @@ def _add_worker(subparsers: Any) -> None:
     p.add_argument("--port", type=int, default=None,
                    help="default 50051 (prefill) or 50061 (decode, colocated); 0 = any free port")
     p.add_argument("--kv-store-url", default="grpc://127.0.0.1:50071")
+    p.add_argument("--kv-load-mode", default="auto", choices=["auto", "async", "layerwise"],
+                   help="decode: load KV from the store inside the step that schedules the request "
+                        "(layerwise), beside the running steps (async), or layer-wise up to "
+                        "--kv-layerwise-max-tokens and async above (auto)")
+    p.add_argument("--kv-layerwise-max-tokens", type=int, default=2048)
     p.add_argument("--grace-s", type=float, default=10.0,
                    help="on SIGTERM, how long in-flight calls may finish")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -128,7 +133,9 @@ def _run_worker(args: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from services.worker.server import WorkerOptions, serve
 
-    engine = EngineConfig(**_engine_kwargs(args), kv_store_url=args.kv_store_url)
+    engine = EngineConfig(**_engine_kwargs(args), kv_store_url=args.kv_store_url,
+                          kv_load_mode=args.kv_load_mode,
+                          kv_layerwise_max_tokens=args.kv_layerwise_max_tokens)
     port = args.port if args.port is not None else (50051 if args.role == "prefill" else 50061)
     asyncio.run(serve(WorkerOptions(role=args.role, engine=engine, host=args.host, port=port,
                                     grace_s=args.grace_s, metrics_port=args.metrics_port)))

@@ -27,6 +27,6 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int, scheduler: Sch
     sched = KVStoreConnectorScheduler(
         config.kv_role, client(), model_name, config.dtype, num_layers, config.kv_chunk_size,
         config.kv_lease_s, config.kv_store_url, scheduler.requests.get, kv.get_block_ids,
-        layerwise=config.kv_load_mode == "layerwise")
+        load_mode=config.kv_load_mode, layerwise_max_tokens=config.kv_layerwise_max_tokens)
     worker = KVStoreConnectorWorker(client, config.kv_chunk_size, config.kv_stream_layers)
     return sched, worker

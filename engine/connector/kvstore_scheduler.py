@@ -29,7 +29,8 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
     def __init__(self, role: str, client: Any, model_name: str, dtype: str, num_layers: int,
                  chunk_size: int, lease_s: float, store_url: str,
                  get_request: Callable[[str], Request | None],
-                 get_block_ids: Callable[[str], list[int]], layerwise: bool = False) -> None:
+                 get_block_ids: Callable[[str], list[int]], load_mode: str = "async",
+                 layerwise_max_tokens: int = 0) -> None:
         self.role = role
         self.client = client
         self.model_name = model_name
@@ -40,7 +41,8 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         self.store_url = store_url
         self._get_request = get_request
         self._get_block_ids = get_block_ids
-        self.layerwise = layerwise
+        self.load_mode = load_mode  # "async", "layerwise" or "auto" (see EngineConfig)
+        self.layerwise_max_tokens = layerwise_max_tokens
         self._pending_load: dict[str, LoadSpec] = {}
         self._loads_to_start: list[LoadSpec] = []
         self._loading: dict[str, LoadSpec] = {}
@@ -96,10 +98,17 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         end = min(available, limit)
         if end <= num_computed_tokens:
             return 0, False
+        layerwise = self._layerwise(end - num_computed_tokens)
         self._pending_load[request.request_id] = LoadSpec(request.request_id, keys,
                                                           num_computed_tokens, end,
-                                                          layerwise=self.layerwise)
-        return end - num_computed_tokens, not self.layerwise
+                                                          layerwise=layerwise)
+        return end - num_computed_tokens, not layerwise
+
+    def _layerwise(self, tokens: int) -> bool:
+        """Whether a load of `tokens` tokens goes inside the step that schedules it."""
+        if self.load_mode == "auto":
+            return tokens <= self.layerwise_max_tokens
+        return self.load_mode == "layerwise"
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:

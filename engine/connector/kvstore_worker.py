@@ -6,9 +6,11 @@ next layers' compute; `wait_for_save` at the end of the step waits for that step
 Objects are LMCache KV_T2D tensors `[tokens, 2, kv_heads * head_dim]` under
 `LayerCacheEngineKey` strings with `RemoteMetadata` headers.
 Loads: a background loader fetches a request's chunks layer by layer and writes them into the
-request's blocks while other requests keep running (the request waits in
-WAITING_FOR_REMOTE_KVS); a missing, short or mismatched object truncates what counts as loaded
-to the tokens before it, which the scheduler then recomputes (or fails, by policy).
+request's blocks, either while other requests keep running (async: the request waits in
+WAITING_FOR_REMOTE_KVS) or inside the step that computes the request, whose forward waits for
+each layer in turn (layer-wise); the scheduler half picks per load (EngineConfig.kv_load_mode).
+A missing, short or mismatched object truncates what counts as loaded to the tokens before it,
+which the scheduler then recomputes (or fails, by policy).
 """
 
 from __future__ import annotations
@@ -222,15 +224,6 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         cs = self.chunk_size
         return list(range(spec.start // cs, (spec.end - 1) // cs + 1))
 
-    def _load_layer(self, spec: LoadSpec, layer: int, state: _LoadState,
-                    client: Any = None) -> None:
-        """Writes one layer of the spec's chunks."""
-        chunks = self._chunks(spec)
-        client = client if client is not None else self._load_client
-        objs = client.get([f"{spec.chunk_keys[c]}@{layer}" for c in chunks])
-        for c, obj in zip(chunks, objs, strict=True):
-            self._apply(spec, layer, c, obj, state)
-
     def _apply(self, spec: LoadSpec, layer: int, c: int, obj: Any, state: _LoadState) -> None:
         """Writes chunk `c` of `layer` from its object; a missing or mismatched object lowers
         `state.valid` to the tokens before it."""
@@ -274,19 +267,34 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._layerwise = [(spec, states[spec.req_id]) for spec in specs]
         start = time.perf_counter()
 
+        # Layer-major, every spec's chunks per layer: layer l is complete at its last key.
+        plan = [(layer, spec, c) for layer in range(len(events)) for spec in specs
+                for c in self._chunks(spec)]
+        per_layer = len(plan) // max(1, len(events))
+
         def run() -> None:
-            for layer, event in enumerate(events):
+            done = 0  # layers whose event is set
+            try:
+                stream = self._layer_client.get_stream(
+                    [f"{spec.chunk_keys[c]}@{layer}" for layer, spec, c in plan], batch=per_layer)
+                for i, obj in stream:
+                    layer, spec, c = plan[i]
+                    state = states[spec.req_id]
+                    if state.valid > spec.start:
+                        self._apply(spec, layer, c, obj, state)
+                    if (i + 1) % per_layer == 0:
+                        events[layer].set()
+                        done = layer + 1
+            except Exception as exc:  # store unreachable: nothing of it counts
                 for spec in specs:
                     state = states[spec.req_id]
-                    try:
-                        if state.valid > spec.start:
-                            self._load_layer(spec, layer, state, self._layer_client)
-                    except Exception as exc:  # store unreachable: nothing of it counts
-                        state.valid = spec.start
-                        state.error = state.error or f"loading from the KV store failed: {exc}"
-                event.set()
-            for spec in specs:
-                self._record_load(spec, states[spec.req_id], time.perf_counter() - start)
+                    state.valid = spec.start
+                    state.error = state.error or f"loading from the KV store failed: {exc}"
+            finally:
+                for event in events[done:]:
+                    event.set()
+                for spec in specs:
+                    self._record_load(spec, states[spec.req_id], time.perf_counter() - start)
 
         self._layer_loader.submit(run)
 

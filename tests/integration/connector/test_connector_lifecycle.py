@@ -26,7 +26,8 @@ class SlowGets(MemoryBackend):
 
 def core(model: Path, url: str, role: str) -> EngineCore:
     return EngineCore(EngineConfig(model=str(model), num_threads=1, kv_cache_gib=0.05,
-                                   kv_connector="kvstore", kv_role=role, kv_store_url=url))
+                                   kv_connector="kvstore", kv_role=role, kv_store_url=url,
+                                   kv_load_mode="async"))  # the WAITING_FOR_REMOTE_KVS path
 
 
 def run(engine: EngineCore, req: EngineCoreRequest,

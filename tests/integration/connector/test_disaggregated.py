@@ -64,16 +64,19 @@ def free_blocks(engine: Any) -> tuple[int, int]:
     return stats.num_free_blocks, stats.num_total_blocks
 
 
-@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+@pytest.mark.parametrize("load_mode", ["async", "layerwise", "auto"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked-prefill"])
 def test_disaggregated_equals_colocated(store: KVStoreService, long_model_dir: Path,
                                         colocated: dict[int, list[int]], chunked: bool,
                                         load_mode: str) -> None:
+    """"auto" with a 300-token bound loads the short prompts layer-wise and the long ones
+    async, in the same steps."""
     extra = {"max_num_batched_tokens": 64} if chunked else {}
     producer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_producer",
                    kv_store_url=store.location, **extra)
     consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
-                   kv_store_url=store.location, kv_load_mode=load_mode)
+                   kv_store_url=store.location, kv_load_mode=load_mode,
+                   kv_layerwise_max_tokens=300)
     prompts = [prompt_of(n) for n in LENGTHS]
     firsts = prefill(producer, prompts)
     outs = decode(consumer, prompts, firsts)
