@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ DEFAULT_LOCATION = "grpc://127.0.0.1:50071"
 # gRPC channel options: a 64 MiB HTTP/2 lookahead lets one stream keep a large object in flight
 # (measured on loopback: 8 MB puts ~600 -> ~1,300 MB/s, gets ~1,000 -> ~1,400 MB/s).
 CHANNEL_OPTIONS = [("grpc.http2.lookahead_bytes", 64 * 2**20)]
+SHM_RETRY_S = 10.0  # after the shared-memory path failed, Flight only for this long
 
 
 class KVStoreClientError(Exception):
@@ -86,6 +88,7 @@ class KVStoreClient:
         self.use_shm = use_shm
         self._shm_dir: str | None = None
         self._shm_checked = False
+        self._shm_retry_at = 0.0  # after a failure: Flight only until then
 
     # --- connection -------------------------------------------------------------------
     def _conn(self) -> flight.FlightClient:
@@ -138,8 +141,8 @@ class KVStoreClient:
     # --- same-host data path ---------------------------------------------------------
     def shm_dir(self) -> str | None:
         """The server's shared-memory directory when this process sees it, else None (asked
-        once; again after a failure)."""
-        if not self.use_shm:
+        once; again `SHM_RETRY_S` after a failure, e.g. a full /dev/shm or a restarted server)."""
+        if not self.use_shm or time.monotonic() < self._shm_retry_at:
             return None
         if not self._shm_checked:
             try:
@@ -153,8 +156,10 @@ class KVStoreClient:
         return self._shm_dir
 
     def _shm_failed(self, op: str, exc: Exception) -> None:
-        logger.info("%s through shared memory failed (%s); using Flight", op, exc)
+        logger.info("%s through shared memory failed (%s); using Flight for %.0f s", op, exc,
+                    SHM_RETRY_S)
         self._shm_dir, self._shm_checked = None, False
+        self._shm_retry_at = time.monotonic() + SHM_RETRY_S
 
     def _shm_put(self, directory: str, items: Sequence[tuple[str, bytes, Any]],
                  ttl_s: float | None) -> None:

@@ -143,7 +143,9 @@ def test_a_client_that_cannot_see_the_directory_uses_flight(store: KVStoreServic
     assert files(store) == []
 
 
-def test_a_store_without_the_path_and_a_restarted_store(tmp_path: Path) -> None:
+def test_a_store_without_the_path_and_a_restarted_store(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvstore.client.SHM_RETRY_S", 0.3)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -161,8 +163,10 @@ def test_a_store_without_the_path_and_a_restarted_store(tmp_path: Path) -> None:
         assert old_dir == first.server.shm.dir  # type: ignore[union-attr]
     assert old_dir is not None and not os.path.exists(old_dir)  # removed at stop
     with KVStoreService(StoreOptions(port=port, shm_dir=str(tmp_path))) as second:
-        assert c.get([key(0)]) == [None]  # the cached directory is gone: Flight, then ask again
-        c.put([item(0, t)])
+        assert c.get([key(0)]) == [None]
+        c.put([item(0, t)])  # the cached directory is gone: Flight for a while, then ask again
+        assert c.shm_dir() is None and files(second) == []
+        time.sleep(0.35)
         assert c.shm_dir() == second.server.shm.dir  # type: ignore[union-attr]
         c.put([item(1, t)])
         assert len(files(second)) >= 1
@@ -251,3 +255,25 @@ def test_the_default_directory_lives_under_dev_shm_and_goes_at_stop() -> None:
             c.put([item(0, torch.ones(4, 2, 8))])
         directory = shm.dir
     assert not os.path.exists(directory)
+
+
+def test_a_full_directory_falls_back_to_flight(store: KVStoreService,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """tmpfs full (ENOSPC while writing): the put goes over Flight, nothing is left behind, and
+    the client stays on Flight for a while instead of failing every put again."""
+    import errno
+
+    from kvstore import shm as shm_module
+
+    def full(directory: str, data: object) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    t = torch.randn(64, 2, 16)
+    with KVStoreClient(store.location) as c:
+        assert c.shm_dir() is not None
+        monkeypatch.setattr(shm_module, "write_file", full)
+        c.put([item(0, t)])
+        assert c.shm_dir() is None
+        obj = c.get([key(0)])[0]
+        assert obj is not None and torch.equal(buffer_to_tensor(obj.data, t.dtype, t.shape), t)
+    assert files(store) == []
