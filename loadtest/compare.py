@@ -2,8 +2,8 @@
 
 - `colocated`: `pdserve up --colocated`: one engine that prefills and decodes, on every core;
 - `disaggregated`: `pdserve up`: one prefill worker on core 0 and one decode worker on core 1
-  (the KV store and the router beside the decode worker by default: `--kvstore-cpus`,
-  `--router-cpus`), KV through the store;
+  (the KV store beside the decode worker, the router unpinned as vLLM's proxy is, by default:
+  `--kvstore-cpus`, `--router-cpus`), KV through the store;
 - `vllm-pd` (when vLLM CPU is installed in .peers/vllm, see loadtest/peers/install_vllm.sh):
   vLLM's own disaggregated setup on the same cores: two `vllm serve` instances with a shared-storage
   KV connector behind a proxy that sends the prompt to the prefill instance with max_tokens=1, then
@@ -146,8 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--kvstore-cpus", default="decode", metavar="LIST",
                    help="pdserve split: the KV store's CPUs ('prefill' / 'decode': that worker's, "
                         "'' = unpinned, or a list)")
-    p.add_argument("--router-cpus", default="decode", metavar="LIST",
-                   help="pdserve split: the router's CPUs (as --kvstore-cpus)")
+    p.add_argument("--router-cpus", default="", metavar="LIST",
+                   help="pdserve split: the router's CPUs (as --kvstore-cpus; default unpinned, "
+                        "like the proxy in front of vLLM's split)")
     p.add_argument("--startup-timeout-s", type=float, default=600)
     args = p.parse_args(argv)
     args.model_path = args.model_path or args.model
