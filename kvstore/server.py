@@ -145,6 +145,9 @@ class KVStoreServer(flight.FlightServerBase):
         except KVStoreError as exc:
             self.metrics.errors.labels(action.type).inc()
             raise pa.ArrowInvalid(str(exc)) from exc
+        except pa.ArrowInvalid:
+            self.metrics.errors.labels(action.type).inc()
+            raise
 
     def _keys(self, body: bytes, op: str) -> list[str]:
         keys = list(_parse(pb.KeysRequest, body, op).keys)
@@ -235,9 +238,6 @@ class KVStoreServer(flight.FlightServerBase):
                 self._store(obj.key, obj.metadata, area.adopt(obj.file, obj.size), ttl)
                 stored += 1
             return _count(stored)
-        except (KVStoreError, pa.ArrowInvalid):
-            self.metrics.errors.labels("put").inc()
-            raise
         finally:
             for obj in objects:  # those not adopted (after a failure): nobody else will
                 area.discard(obj.file)

@@ -125,6 +125,8 @@ def test_bad_puts_are_refused_clearly_and_their_files_deleted(store: KVStoreServ
             with pytest.raises(KVStoreRejectedError, match=message):
                 c._action("shm_put", req, pb.CountResponse)
         assert files(store) == []  # the wrongly sized file was deleted with its refusal
+        # Each refusal counted once: 2 puts through files + the 5 requests above.
+        assert 'pdserve_kvstore_errors_total{op="shm_put"} 7.0' in c.metrics_text()
         assert os.path.exists(Path(directory, ".token"))
         c.put([item(1, t)])  # still serving, still through files
         assert len(files(store)) == 1 and files(store)[0].startswith("obj-")
