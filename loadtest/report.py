@@ -3,7 +3,9 @@
 Per run: p50 / p90 / p99 of TTFT, ITL (every gap between streamed chunks, pooled), TPOT (per
 request: (E2E - TTFT) / (tokens - 1)) and E2E; throughput (requests and output tokens per second
 over the run's span); errors; goodput: the share of all requests (failed ones count as missing)
-that met both SLOs: TTFT <= ttft_slo and the request's TPOT (its mean ITL) <= itl_slo.
+that met both SLOs: TTFT <= ttft_slo and the request's TPOT (its mean ITL) <= itl_slo; and the
+same at TTFT SLOs scaled by SLO_SCALES (a goodput curve: one SLO alone is a coarse count where
+two systems' TTFT distributions cross).
 Plots (PNG): TTFT against mean ITL per request, CDFs of TTFT and ITL, and both over time.
 """
 
@@ -21,6 +23,17 @@ import numpy as np
 class Slo:
     ttft_ms: float
     itl_ms: float
+
+
+SLO_SCALES = (0.5, 1.0, 2.0, 4.0)  # TTFT SLO multipliers of the goodput curve
+
+
+def goodput(rows: list[dict[str, Any]], slo: Slo) -> float:
+    """Share of all rows (failures count as missing) with TTFT <= slo.ttft_ms and mean ITL
+    (TPOT) <= slo.itl_ms."""
+    good = sum(1 for r in rows if r["ok"] and r["ttft"] * 1e3 <= slo.ttft_ms
+               and ((t := tpot(r)) is None or t * 1e3 <= slo.itl_ms))
+    return good / len(rows) if rows else 0.0
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -44,15 +57,15 @@ def summarize(rows: list[dict[str, Any]], slo: Slo) -> dict[str, Any]:
     tp = [t * 1e3 for r in ok if (t := tpot(r)) is not None]
     e2e = [r["e2e"] * 1e3 for r in ok]
     span = (max(r["start"] + r["e2e"] for r in rows) - min(r["start"] for r in rows)) if rows else 0.0
-    good = sum(1 for r in ok if r["ttft"] * 1e3 <= slo.ttft_ms
-               and ((t := tpot(r)) is None or t * 1e3 <= slo.itl_ms))
     out: dict[str, Any] = {
         "requests": len(rows), "failed": len(rows) - len(ok),
         "errors": sorted({r["error"][:80] for r in rows if not r["ok"]})[:5],
         "duration_s": span,
         "req_per_s": len(ok) / span if span else 0.0,
         "out_tok_per_s": sum(r["output_tokens"] for r in ok) / span if span else 0.0,
-        "goodput": good / len(rows) if rows else 0.0,
+        "goodput": goodput(rows, slo),
+        "goodput_by_ttft_slo": {scale: goodput(rows, Slo(slo.ttft_ms * scale, slo.itl_ms))
+                                for scale in SLO_SCALES},
         "slo": {"ttft_ms": slo.ttft_ms, "itl_ms": slo.itl_ms},
     }
     for name, values in (("ttft_ms", ttft), ("itl_ms", itl), ("tpot_ms", tp), ("e2e_ms", e2e)):
@@ -78,6 +91,13 @@ def table(summaries: dict[str, dict[str, Any]]) -> str:
                             ("run span (s)", "duration_s", ".0f")):
         cells = [format(s[key], fmt) for s in summaries.values()]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    first = next(iter(summaries.values()), None)
+    if first is not None and "goodput_by_ttft_slo" in first:
+        ttft = first["slo"]["ttft_ms"]
+        label = " / ".join(f"{ttft * k / 1e3:g}" for k in first["goodput_by_ttft_slo"])
+        cells = [" / ".join(f"{g:.2f}" for g in s["goodput_by_ttft_slo"].values())
+                 for s in summaries.values()]
+        lines.append(f"| goodput at TTFT SLO {label} s | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -42,6 +42,10 @@ def test_summary_counts_failures_and_goodput() -> None:
     s = report.summarize(rows, report.Slo(ttft_ms=1000, itl_ms=100))
     assert (s["requests"], s["failed"]) == (3, 1)
     assert s["goodput"] == pytest.approx(1 / 3)  # the slow TTFT and the failure miss
+    # The curve over TTFT SLOs 0.5 / 1 / 2 / 4 s: the 3 s TTFT counts from 4 s on.
+    assert list(s["goodput_by_ttft_slo"].values()) == pytest.approx([1 / 3, 1 / 3, 1 / 3, 2 / 3])
+    assert "| goodput at TTFT SLO 0.5 / 1 / 2 / 4 s | 0.33 / 0.33 / 0.33 / 0.67 |" in \
+        report.table({"run": s})
     assert s["ttft_ms"]["p50"] == pytest.approx(1550)
     assert s["tpot_ms"]["p50"] == pytest.approx(50)
 
