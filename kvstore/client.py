@@ -155,6 +155,21 @@ class KVStoreClient:
             self._shm_checked = True
         return self._shm_dir
 
+    def _via_shm(self, op: str, fn: Callable[[str], T]) -> T | None:
+        """`fn(directory)` through the shared-memory path, or None when this call goes over
+        Flight (no directory this process sees, or the path failed: then Flight only for
+        SHM_RETRY_S). A request the server refuses as such raises."""
+        if not self.use_shm:
+            return None
+        try:
+            directory = self.shm_dir()
+            return None if directory is None else fn(directory)
+        except KVStoreRejectedError:
+            raise
+        except (OSError, KVStoreClientError) as exc:
+            self._shm_failed(op, exc)
+            return None
+
     def _shm_failed(self, op: str, exc: Exception) -> None:
         logger.info("%s through shared memory failed (%s); using Flight for %.0f s", op, exc,
                     SHM_RETRY_S)
@@ -162,7 +177,7 @@ class KVStoreClient:
         self._shm_retry_at = time.monotonic() + SHM_RETRY_S
 
     def _shm_put(self, directory: str, items: Sequence[tuple[str, bytes, Any]],
-                 ttl_s: float | None) -> None:
+                 ttl_s: float | None) -> bool:
         req = pb.ShmPutRequest(ttl_s=ttl_s or 0.0)
         try:
             for key, meta, data in items:
@@ -174,19 +189,25 @@ class KVStoreClient:
             for obj in req.objects:  # the server deletes what it did not adopt; in case it
                 shm.discard_file(directory, obj.file)  # never got the call
             raise
+        return True
+
+    def _shm_locate(self, keys: Sequence[str]) -> list[Any]:
+        """The server's ShmObject per key, checked to answer `keys` in order."""
+        resp = self._action("shm_get", pb.KeysRequest(keys=list(keys)), pb.ShmGetResponse)
+        if len(resp.objects) != len(keys):
+            raise KVStoreClientError(f"shm_get: {len(resp.objects)} answers for {len(keys)} keys")
+        for key, obj in zip(keys, resp.objects, strict=True):
+            if obj.key != key:
+                raise KVStoreClientError(f"shm_get: the answer for {key!r} is out of order")
+        return list(resp.objects)
 
     def _shm_get(self, directory: str, keys: Sequence[str], outs: Sequence[Any] | None = None
                  ) -> list[tuple[bytes, Any] | None]:
         """Per key (metadata, payload array) or None; objects outside shared memory (or
         dropped since the server named their file) come over Flight."""
-        resp = self._action("shm_get", pb.KeysRequest(keys=list(keys)), pb.ShmGetResponse)
-        if len(resp.objects) != len(keys):
-            raise KVStoreClientError(f"shm_get: {len(resp.objects)} answers for {len(keys)} keys")
         out: list[tuple[bytes, Any] | None] = []
         rest: list[int] = []
-        for i, (key, obj) in enumerate(zip(keys, resp.objects, strict=True)):
-            if obj.key != key:
-                raise KVStoreClientError(f"shm_get: the answer for {key!r} is out of order")
+        for i, (key, obj) in enumerate(zip(keys, self._shm_locate(keys), strict=True)):
             out.append(None)
             if not obj.found:
                 continue
@@ -206,9 +227,7 @@ class KVStoreClient:
                 meta, total, pieces = fetched
                 dst = (np.empty(total, dtype=np.uint8) if outs is None
                        else _out_bytes(keys[i], outs[i], total))
-                for p in pieces:
-                    dst[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
-                out[i] = (meta, dst)
+                out[i] = (meta, _copy_pieces(pieces, dst))
         return out
 
     # --- data plane -------------------------------------------------------------------
@@ -237,16 +256,8 @@ class KVStoreClient:
         each object only once all of it arrived."""
         if not items:
             return
-        if self.use_shm:
-            try:
-                directory = self.shm_dir()
-                if directory is not None:
-                    self._shm_put(directory, items, ttl_s)
-                    return
-            except KVStoreRejectedError:
-                raise
-            except (OSError, KVStoreClientError) as exc:
-                self._shm_failed("put", exc)
+        if self._via_shm("put", lambda d: self._shm_put(d, items, ttl_s)):
+            return
         command = pb.PutRequest(ttl_s=ttl_s or 0.0).SerializeToString()
         descriptor = flight.FlightDescriptor.for_command(command)
         lanes: list[list[pa.RecordBatch]] = [[] for _ in range(self.streams)]
@@ -319,16 +330,9 @@ class KVStoreClient:
         """The objects (payloads as pyarrow Buffers), None where a key is absent."""
         if not keys:
             return []
-        if self.use_shm:
-            try:
-                directory = self.shm_dir()
-                if directory is not None:
-                    return [None if got is None else KVObject(got[0], pa.py_buffer(got[1]))
-                            for got in self._shm_get(directory, keys)]
-            except KVStoreRejectedError:
-                raise
-            except (OSError, KVStoreClientError) as exc:
-                self._shm_failed("get", exc)
+        got = self._via_shm("get", lambda d: self._shm_get(d, keys))
+        if got is not None:
+            return [None if g is None else KVObject(g[0], pa.py_buffer(g[1])) for g in got]
         out: list[KVObject | None] = []
         for fetched in self._fetch(keys):
             if fetched is None:
@@ -339,9 +343,7 @@ class KVStoreClient:
                 out.append(KVObject(meta, pieces[0].data))
                 continue
             buf = pa.allocate_buffer(total)  # Arrow's pool recycles pages: no page faults
-            view = np.frombuffer(buf, dtype=np.uint8)
-            for p in pieces:
-                view[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
+            _copy_pieces(pieces, np.frombuffer(buf, dtype=np.uint8))
             out.append(KVObject(meta, buf))
         return out
 
@@ -351,27 +353,14 @@ class KVStoreClient:
         at a time: through shared memory each payload is read into one reused buffer, valid only
         until the next item (copy what you keep), in one round trip for all keys; over Flight,
         `batch` keys per call."""
-        directory = None
-        if self.use_shm and keys:
-            try:
-                directory = self.shm_dir()
-                resp = self._action("shm_get", pb.KeysRequest(keys=list(keys)), pb.ShmGetResponse)
-                if len(resp.objects) != len(keys):
-                    raise KVStoreClientError(f"shm_get: {len(resp.objects)} answers for "
-                                             f"{len(keys)} keys")
-            except KVStoreRejectedError:
-                raise
-            except (OSError, KVStoreClientError) as exc:
-                self._shm_failed("get", exc)
-                directory = None
-        if directory is None:
+        located = self._via_shm("get", lambda d: (d, self._shm_locate(keys))) if keys else None
+        if located is None:
             for lo in range(0, len(keys), batch):
                 yield from enumerate(self.get(keys[lo:lo + batch]), start=lo)
             return
+        directory, objects = located
         scratch = np.empty(0, dtype=np.uint8)
-        for i, (key, obj) in enumerate(zip(keys, resp.objects, strict=True)):
-            if obj.key != key:
-                raise KVStoreClientError(f"shm_get: the answer for {key!r} is out of order")
+        for i, (key, obj) in enumerate(zip(keys, objects, strict=True)):
             if not obj.found:
                 yield i, None
                 continue
@@ -397,25 +386,16 @@ class KVStoreClient:
             raise ValueError(f"get_into: {len(keys)} keys but {len(outs)} output buffers")
         if not keys:
             return []
-        if self.use_shm:
-            try:
-                directory = self.shm_dir()
-                if directory is not None:
-                    return [None if got is None else got[0]
-                            for got in self._shm_get(directory, keys, outs)]
-            except KVStoreRejectedError:
-                raise
-            except (OSError, KVStoreClientError) as exc:
-                self._shm_failed("get", exc)
+        got = self._via_shm("get", lambda d: self._shm_get(d, keys, outs))
+        if got is not None:
+            return [None if g is None else g[0] for g in got]
         metas: list[bytes | None] = []
         for key, fetched, out in zip(keys, self._fetch(keys), outs, strict=True):
             if fetched is None:
                 metas.append(None)
                 continue
             meta, total, pieces = fetched
-            dst = _out_bytes(key, out, total)
-            for p in pieces:
-                dst[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
+            _copy_pieces(pieces, _out_bytes(key, out, total))
             metas.append(meta)
         return metas
 
@@ -475,6 +455,13 @@ class KVStoreClient:
             return str(results[0].body.to_pybytes().decode())
 
         return self._call("metrics", run)
+
+
+def _copy_pieces(pieces: list[Row], dst: np.ndarray) -> np.ndarray:
+    """Lays each received piece at its offset in `dst` (uint8); returns `dst`."""
+    for p in pieces:
+        dst[p.offset:p.offset + p.data.size] = np.frombuffer(p.data, dtype=np.uint8)
+    return dst
 
 
 def _check_dir(directory: str) -> None:

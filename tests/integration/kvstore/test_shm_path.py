@@ -158,6 +158,8 @@ def test_a_store_without_the_path_and_a_restarted_store(tmp_path: Path,
             assert c.shm_dir() is None
             c.put([item(0, t)])
             assert c.get([key(0)])[0] is not None
+            streamed = [(i, None if o is None else bytes(o.data)) for i, o in c.get_stream([key(0)])]
+            assert streamed == [(0, t.numpy().tobytes())]
     c = KVStoreClient(f"grpc://127.0.0.1:{port}", timeout_s=5)
     with KVStoreService(StoreOptions(port=port, shm_dir=str(tmp_path))) as first:
         c.put([item(0, t)])
