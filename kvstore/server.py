@@ -231,9 +231,6 @@ class KVStoreServer(flight.FlightServerBase):
             ttl = req.ttl_s or self.default_ttl_s
             stored = 0
             for obj in objects:
-                if self.validate:
-                    check_key(obj.key)
-                self._check_size(obj.key, len(obj.metadata) + obj.size)
                 # Adopted, the file is the store's: dropped (even by a failing check) = deleted.
                 self._store(obj.key, obj.metadata, area.adopt(obj.file, obj.size), ttl)
                 stored += 1
