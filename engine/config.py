@@ -13,7 +13,7 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
-_POLICIES = ("fcfs", "priority")
+_POLICIES = ("fcfs", "priority", "sjf")
 _BACKENDS = ("auto", "torch", "triton")
 CPU_DEFAULT_KV_CACHE_GIB = 1.0
 
@@ -63,7 +63,11 @@ class EngineConfig:
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
     max_model_len: int | None = None
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # "sjf": fewest tokens left first, for waiting requests and for chunked prefills under way
+    # (a long prefill's next chunk waits while a shorter prompt is queued); a request waiting
+    # `sjf_max_wait_s` since arrival goes ahead of younger ones. Meant for prefill workers.
+    scheduling_policy: Literal["fcfs", "priority", "sjf"] = "fcfs"
+    sjf_max_wait_s: float = 10.0
     seed: int = 0
     num_threads: int | None = None
 
@@ -104,6 +108,8 @@ class EngineConfig:
                    f"must be at least 1, got {self.max_model_len}")
         _check(self.scheduling_policy in _POLICIES, "scheduling_policy",
                f"must be one of {_POLICIES}, got {self.scheduling_policy!r}")
+        _check(self.sjf_max_wait_s > 0, "sjf_max_wait_s",
+               f"must be positive, got {self.sjf_max_wait_s}")
         if self.num_threads is not None:
             _check(self.num_threads >= 1, "num_threads", f"must be at least 1, got {self.num_threads}")
 

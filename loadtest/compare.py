@@ -4,6 +4,8 @@
 - `disaggregated`: `pdserve up`: one prefill worker on core 0 and one decode worker on core 1
   (the KV store beside the decode worker, the router unpinned as vLLM's proxy is, by default:
   `--kvstore-cpus`, `--router-cpus`), KV through the store;
+- `disaggregated-fcfs` (only when named in --setups): the same split with the prefill worker
+  scheduling first come first served in 2,048-token steps, as before its shortest-first default;
 - `vllm-pd` (when vLLM CPU is installed in .peers/vllm, see loadtest/peers/install_vllm.sh):
   vLLM's own disaggregated setup on the same cores: two `vllm serve` instances with a shared-storage
   KV connector behind a proxy that sends the prompt to the prefill instance with max_tokens=1, then
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -76,6 +79,9 @@ class Server:
                 self.proc.wait(timeout=30)
 
 
+SETUPS = ("colocated", "disaggregated", "disaggregated-fcfs", "vllm-pd")
+
+
 def setups(args: argparse.Namespace, out: Path) -> list[tuple[str, Any]]:
     """(name, a function starting the setup and returning its Server)."""
     pd = [sys.executable, "-m", "services.cli", "up", "--model", args.model_path,
@@ -96,13 +102,17 @@ def setups(args: argparse.Namespace, out: Path) -> list[tuple[str, Any]]:
     for flag, where in (("--kvstore-cpus", args.kvstore_cpus), ("--router-cpus", args.router_cpus)):
         cpus = named.get(where, where)
         aux += [flag, cpus] if cpus else []
+    split = ["--num-threads", str(len(pre)), "--prefill-cpus", as_list(map(str, pre)),
+             "--decode-cpus", as_list(map(str, dec)), "--local-prefill-tokens",
+             str(args.local_prefill_tokens), *aux, *shlex.split(args.split_args)]
     runs: list[tuple[str, Any]] = [
         ("colocated", lambda: pdserve("colocated", args.base_port, [
             "--colocated", "--num-threads", str(len(cores)), "--decode-cpus", as_list(map(str, cores))])),
-        ("disaggregated", lambda: pdserve("disaggregated", args.base_port + 10, [
-            "--num-threads", str(len(pre)), "--prefill-cpus", as_list(map(str, pre)),
-            "--decode-cpus", as_list(map(str, dec)), "--local-prefill-tokens",
-            str(args.local_prefill_tokens), *aux])),
+        ("disaggregated", lambda: pdserve("disaggregated", args.base_port + 10, split)),
+        # An ablation: the split with the prefill worker scheduling as other engines do.
+        ("disaggregated-fcfs", lambda: pdserve("disaggregated-fcfs", args.base_port + 30, [
+            *split, "--prefill-scheduling-policy", "fcfs", "--prefill-max-num-batched-tokens",
+            "2048"])),
     ]
     if args.vllm and VLLM_PYTHON.exists():
         port = args.base_port + 20
@@ -123,6 +133,12 @@ def ratios(s: dict[str, dict[str, Any]]) -> list[str]:
         lines.append(f"disaggregated / colocated: p99 ITL {d['itl_ms']['p99'] / c['itl_ms']['p99']:.2f} "
                      f"(target <= 0.5), p50 TTFT {d['ttft_ms']['p50'] / c['ttft_ms']['p50']:.2f}, "
                      f"goodput {d['goodput']:.2f} vs {c['goodput']:.2f}")
+    if {"disaggregated-fcfs", "disaggregated"} <= s.keys():
+        f, d = s["disaggregated-fcfs"], s["disaggregated"]
+        lines.append(f"pdserve split / same with FCFS prefill: p50 TTFT "
+                     f"{d['ttft_ms']['p50'] / f['ttft_ms']['p50']:.2f}, p99 ITL "
+                     f"{d['itl_ms']['p99'] / f['itl_ms']['p99']:.2f}, goodput {d['goodput']:.2f} vs "
+                     f"{f['goodput']:.2f}")
     if {"vllm-pd", "disaggregated"} <= s.keys():
         v, d = s["vllm-pd"], s["disaggregated"]
         lines.append(f"pdserve split / vLLM split: p50 TTFT {d['ttft_ms']['p50'] / v['ttft_ms']['p50']:.2f}, "
@@ -137,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path,
                    default=Path("loadtest-out") / f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--model-path", default=None, help="model folder or name for pdserve (default: --model)")
-    p.add_argument("--setups", default="colocated,disaggregated,vllm-pd")
+    p.add_argument("--setups", default="colocated,disaggregated,vllm-pd",
+                   help=f"comma-separated, from {','.join(SETUPS)}")
     p.add_argument("--no-vllm", dest="vllm", action="store_false")
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -149,10 +166,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--router-cpus", default="", metavar="LIST",
                    help="pdserve split: the router's CPUs (as --kvstore-cpus; default unpinned, "
                         "like the proxy in front of vLLM's split)")
+    p.add_argument("--split-args", default="", metavar="ARGS",
+                   help="more `pdserve up` options for the pdserve split, e.g. "
+                        "'--prefill-max-num-batched-tokens 512'")
     p.add_argument("--startup-timeout-s", type=float, default=600)
     args = p.parse_args(argv)
     args.model_path = args.model_path or args.model
     args.setups = args.setups.split(",")
+    unknown = [n for n in args.setups if n not in SETUPS]
+    if unknown:
+        p.error(f"--setups: unknown {','.join(unknown)} (choose from {','.join(SETUPS)})")
     args.out.mkdir(parents=True, exist_ok=True)
     slo = report.Slo(args.ttft_slo_ms, args.itl_slo_ms)
     rows: dict[str, list[dict[str, Any]]] = {}

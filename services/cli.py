@@ -35,6 +35,16 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None)
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step, longer prefills are chunked (default 2048; "
+                            "512 for prefill workers on the CPU, whose steps are compute-bound "
+                            "from a few hundred tokens on: smaller steps finish short prompts "
+                            "sooner at no cost in throughput)")
+    group.add_argument("--scheduling-policy", default=None, choices=["fcfs", "priority", "sjf"],
+                       help="sjf: fewest prompt tokens left first (default for prefill workers); "
+                            "fcfs otherwise")
+    group.add_argument("--sjf-max-wait-s", type=float, default=10.0,
+                       help="sjf: a request waiting this long goes ahead of shorter ones")
     group.add_argument("--log-level", default="WARNING")
 
 
@@ -44,7 +54,11 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager,
-                num_threads=args.num_threads)
+                num_threads=args.num_threads,
+                max_num_batched_tokens=(2048 if args.max_num_batched_tokens is None
+                                        else args.max_num_batched_tokens),
+                scheduling_policy=args.scheduling_policy or "fcfs",
+                sjf_max_wait_s=args.sjf_max_wait_s)
 
 
 def _add_generate(subparsers: Any) -> None:
@@ -127,15 +141,26 @@ def _add_worker(subparsers: Any) -> None:
     p.set_defaults(func=_run_worker)
 
 
+def worker_engine_config(args: argparse.Namespace) -> Any:
+    """The worker's EngineConfig: prefill workers default to shortest-first scheduling and, on
+    the CPU, 512-token steps."""
+    from engine.config import EngineConfig
+
+    if args.scheduling_policy is None:
+        args.scheduling_policy = "sjf" if args.role == "prefill" else "fcfs"
+    if args.max_num_batched_tokens is None and args.role == "prefill" and args.device == "cpu":
+        args.max_num_batched_tokens = 512
+    return EngineConfig(**_engine_kwargs(args), kv_store_url=args.kv_store_url,
+                        kv_load_mode=args.kv_load_mode,
+                        kv_layerwise_max_tokens=args.kv_layerwise_max_tokens)
+
+
 def _run_worker(args: argparse.Namespace) -> int:
     import asyncio
 
-    from engine.config import EngineConfig
     from services.worker.server import WorkerOptions, serve
 
-    engine = EngineConfig(**_engine_kwargs(args), kv_store_url=args.kv_store_url,
-                          kv_load_mode=args.kv_load_mode,
-                          kv_layerwise_max_tokens=args.kv_layerwise_max_tokens)
+    engine = worker_engine_config(args)
     port = args.port if args.port is not None else (50051 if args.role == "prefill" else 50061)
     asyncio.run(serve(WorkerOptions(role=args.role, engine=engine, host=args.host, port=port,
                                     grace_s=args.grace_s, metrics_port=args.metrics_port)))

@@ -38,6 +38,10 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
     p.add_argument("--kv-cache-gib", type=float, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="prefill workers' step budget (default: the worker's)")
+    p.add_argument("--prefill-scheduling-policy", default=None, choices=["fcfs", "priority", "sjf"],
+                   help="prefill workers' scheduling policy (default: the worker's, sjf)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--metrics-port-offset", type=int, default=1000,
                    help="each worker serves Prometheus /metrics on its gRPC port + this (0 = off); "
@@ -124,6 +128,15 @@ def parse_cpus(text: str | None) -> set[int] | None:
     return cpus
 
 
+def _prefill_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    if args.prefill_max_num_batched_tokens is not None:
+        out += ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)]
+    if args.prefill_scheduling_policy is not None:
+        out += ["--scheduling-policy", args.prefill_scheduling_policy]
+    return out
+
+
 def _metrics_args(args: argparse.Namespace, grpc_port: int) -> list[str]:
     return ["--metrics-port", str(grpc_port + args.metrics_port_offset)] if args.metrics_port_offset else []
 
@@ -202,7 +215,8 @@ def run_up(args: argparse.Namespace) -> int:
                 target = f"{h}:{args.prefill_port + i}"
                 launcher.start(f"prefill-{i}", ["worker", "--role", "prefill", "--host", h, "--port",
                                                 str(args.prefill_port + i), "--kv-store-url", store,
-                                                *_metrics_args(args, args.prefill_port + i), *engine_args],
+                                                *_metrics_args(args, args.prefill_port + i),
+                                                *engine_args, *_prefill_args(args)],
                                cpus=parse_cpus(args.prefill_cpus))
                 prefill.append(target)
         role = "colocated" if args.colocated else "decode"

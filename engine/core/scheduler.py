@@ -5,6 +5,10 @@ requests, new tokens up to the token budget, so `num_computed_tokens` catches up
 `num_tokens`. Long prompts are chunked by the budget. When blocks run out, the most recently
 started running request (or the lowest-priority one) is preempted: its blocks are freed and it
 goes back to the head of the waiting queue, to be recomputed.
+
+Under the "sjf" policy, running requests are ordered by tokens left, and a chunked prefill
+with more tokens left than the waiting queue's head (and not yet waiting `sjf_max_wait_s`)
+takes what budget the waiting requests leave: shortest remaining prefill first.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from engine.core.outputs import (
     SchedulerOutput,
 )
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import make_queue
+from engine.core.request_queue import ShortestFirstQueue, make_queue, tokens_left
 from engine.core.stop_check import check_stop
 
 if TYPE_CHECKING:
@@ -51,7 +55,7 @@ class Scheduler:
         self.policy = config.scheduling_policy
         self.kv = kv_cache_manager
         self.requests: dict[str, Request] = {}
-        self.waiting = make_queue(config.scheduling_policy)
+        self.waiting = make_queue(config.scheduling_policy, config.sjf_max_wait_s)
         self.running: list[Request] = []
         self._finished_for_runner: set[str] = set()
         self._known_by_runner: set[str] = set()
@@ -118,10 +122,17 @@ class Scheduler:
         preempted: list[Request] = []
         now = time.time()
 
-        budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted)
+        deferred = self._sjf_deferred(now) if isinstance(self.waiting, ShortestFirstQueue) else set()
+        budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted, deferred)
         resumed: set[str] = set()
         if not preempted:
-            self._schedule_waiting(budget, num_scheduled, new_blocks, resumed, now)
+            before = len(num_scheduled)
+            budget = self._schedule_waiting(budget, num_scheduled, new_blocks, resumed, now)
+            if deferred and budget > 0:
+                # Preempting for a deferred prefill could hit a request just taken from the
+                # waiting queue; it may only when none was (else it waits a step).
+                self._schedule_running(budget, num_scheduled, new_blocks, preempted,
+                                       only=deferred, may_preempt=len(num_scheduled) == before)
         out = self._build_output(num_scheduled, new_blocks, resumed, preempted)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -135,18 +146,45 @@ class Scheduler:
             n = self.long_prefill_threshold
         return min(n, budget)
 
+    def _sjf_deferred(self, now: float) -> set[str]:
+        """Orders running requests by tokens left; returns the chunked prefills that wait for
+        the shorter waiting requests this step (never decodes, never one waiting too long)."""
+        assert isinstance(self.waiting, ShortestFirstQueue)
+        self.running.sort(key=tokens_left)  # stable; preemption takes the longest first
+        if len(self.waiting) == 0:
+            return set()
+        head = self.waiting.peek()
+        limit = -1 if self.waiting.is_aged(head, now) else tokens_left(head)
+        return {r.request_id for r in self.running
+                if tokens_left(r) > max(limit, 1) and not self.waiting.is_aged(r, now)}
+
+    def _sjf_holds_back(self, num_scheduled: dict[str, int], n: int, left: int) -> bool:
+        """sjf: once a step holds a prefill, another joins it only if it completes in it. A
+        prefill is compute-bound: a second one's chunk would only make the first finish later."""
+        return (isinstance(self.waiting, ShortestFirstQueue) and n < left
+                and any(k > 1 for k in num_scheduled.values()))
+
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
-                          new_blocks: dict[str, list[int]], preempted: list[Request]) -> int:
+                          new_blocks: dict[str, list[int]], preempted: list[Request],
+                          skip: set[str] | frozenset[str] = frozenset(),
+                          only: set[str] | None = None, may_preempt: bool = True) -> int:
+        """Schedules running requests in order (those in `skip` not, or only those in `only`)."""
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
+            if (request.request_id in skip or request.request_id in num_scheduled
+                    or (only is not None and request.request_id not in only)):
+                idx += 1
+                continue
             n = self._num_new_tokens(request, budget)
             if n == 0:
                 idx += 1
                 continue
+            if only is not None and self._sjf_holds_back(num_scheduled, n, tokens_left(request)):
+                break  # the rest of `only` is longer still
             while True:
                 blocks = self.kv.allocate_slots(request, n)
-                if blocks is not None:
+                if blocks is not None or not may_preempt:
                     break
                 victim = self._preempt_one()
                 preempted.append(victim)
@@ -156,8 +194,10 @@ class Scheduler:
                     budget += num_scheduled.pop(victim.request_id)
                     del new_blocks[victim.request_id]
                     idx -= 1
-            if blocks is None:  # the request itself was preempted
-                continue
+            if blocks is None:
+                if not may_preempt:
+                    break
+                continue  # the request itself was preempted
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = [b.block_id for b in blocks]
             budget -= n
@@ -179,12 +219,14 @@ class Scheduler:
         return victim
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
-                          new_blocks: dict[str, list[int]], resumed: set[str], now: float) -> None:
+                          new_blocks: dict[str, list[int]], resumed: set[str], now: float) -> int:
         while (len(self.waiting) > 0 and budget > 0
                and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
             request = self.waiting.peek()
             if request.request_id in self._kv_loaded:  # its blocks and loaded KV are in place
                 n = self._num_new_tokens(request, budget)
+                if self._sjf_holds_back(num_scheduled, n, tokens_left(request)):
+                    break
                 if self.kv.allocate_slots(request, n) is None:
                     if self._drop_loaded(request):
                         continue
@@ -224,6 +266,8 @@ class Scheduler:
                     # Layer-wise load inside this step: the runner computes only the rest.
                     loaded = num_hit_tokens + num_external
                     n = self._num_new_tokens_after_hits(request, loaded, budget)
+                    if self._sjf_holds_back(num_scheduled, n, request.num_tokens - loaded):
+                        break
                     if self.kv.allocate_slots(request, num_external + n, num_hit_tokens, hits,
                                               cache=False) is None:
                         if self._drop_loaded(request):
@@ -243,6 +287,8 @@ class Scheduler:
                     budget -= n
                     continue
             n = self._num_new_tokens_after_hits(request, num_hit_tokens, budget)
+            if self._sjf_holds_back(num_scheduled, n, request.num_tokens - num_hit_tokens):
+                break
             blocks = self.kv.allocate_slots(request, n, num_hit_tokens, hits)
             if blocks is None:
                 if self._drop_loaded(request):
@@ -260,6 +306,7 @@ class Scheduler:
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
             budget -= n
+        return budget
 
     def _drop_loaded(self, head: Request) -> bool:
         """The head of the queue does not fit: free the blocks of a request whose KV arrived but

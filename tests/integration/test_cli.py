@@ -69,3 +69,30 @@ def test_module_entry_point_runs_chat(tiny_model_dir) -> None:
     assert result.returncode == 0, result.stderr
     (row,) = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(row["token_ids"]) == 3 and row["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(("argv", "policy", "budget"), [
+    (["--role", "prefill"], "sjf", 512),
+    (["--role", "prefill", "--device", "cuda"], "sjf", 2048),
+    (["--role", "prefill", "--scheduling-policy", "fcfs", "--max-num-batched-tokens", "4096"],
+     "fcfs", 4096),
+    (["--role", "decode"], "fcfs", 2048),
+    (["--role", "colocated", "--scheduling-policy", "sjf", "--sjf-max-wait-s", "3"], "sjf", 2048),
+])
+def test_worker_scheduling_defaults_depend_on_the_role(argv: list[str], policy: str,
+                                                       budget: int) -> None:
+    from services.cli import build_parser, worker_engine_config
+
+    cfg = worker_engine_config(build_parser().parse_args(["worker", *argv]))
+    assert (cfg.scheduling_policy, cfg.max_num_batched_tokens) == (policy, budget)
+    if "--sjf-max-wait-s" in argv:
+        assert cfg.sjf_max_wait_s == 3.0
+
+
+def test_bad_scheduling_values_name_the_field() -> None:
+    from services.cli import build_parser, worker_engine_config
+
+    for argv, field in ((["--max-num-batched-tokens", "0"], "max_num_batched_tokens"),
+                        (["--sjf-max-wait-s", "-1"], "sjf_max_wait_s")):
+        with pytest.raises(ValueError, match=field):
+            worker_engine_config(build_parser().parse_args(["worker", "--role", "prefill", *argv]))

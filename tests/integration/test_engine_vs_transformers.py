@@ -33,6 +33,9 @@ MODES: dict[str, dict[str, Any]] = {
     "batch": {},
     "chunked": {"max_num_batched_tokens": 32},
     "preempt": {"num_kv_blocks": 17, "max_model_len": 256, "enable_prefix_caching": False},
+    "sjf": {"scheduling_policy": "sjf", "max_num_batched_tokens": 32},
+    "sjf-preempt": {"scheduling_policy": "sjf", "num_kv_blocks": 17, "max_model_len": 256,
+                    "enable_prefix_caching": False},
     "prefix": {},
     "n2": {},
 }
@@ -53,7 +56,7 @@ def run_llm(model_dir: Path, mode: str, prompts: list[list[int]]) -> tuple[list[
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
         long_ones = [o for o, p in zip(again, prompts, strict=False) if len(p) > 16]
         assert all(o.num_cached_tokens >= 16 for o in long_ones)
-    if mode == "preempt":
+    if mode in ("preempt", "sjf-preempt"):
         assert sum(o.metrics.num_preemptions for o in outs) > 0, "no preemption was forced"
     end = core.get_stats()
     assert end.num_free_blocks == start.num_free_blocks == end.num_total_blocks

@@ -65,13 +65,16 @@ def free_blocks(engine: Any) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("load_mode", ["async", "layerwise", "auto"])
-@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked-prefill"])
+@pytest.mark.parametrize("prefill_mode", ["whole", "chunked-prefill", "sjf-chunked"])
 def test_disaggregated_equals_colocated(store: KVStoreService, long_model_dir: Path,
-                                        colocated: dict[int, list[int]], chunked: bool,
+                                        colocated: dict[int, list[int]], prefill_mode: str,
                                         load_mode: str) -> None:
     """"auto" with a 300-token bound loads the short prompts layer-wise and the long ones
-    async, in the same steps."""
-    extra = {"max_num_batched_tokens": 64} if chunked else {}
+    async, in the same steps. "sjf-chunked": the producer runs the prefill workers' policy
+    (shortest first, long prefills paused for shorter ones between chunks)."""
+    extra: dict[str, Any] = {
+        "whole": {}, "chunked-prefill": {"max_num_batched_tokens": 64},
+        "sjf-chunked": {"max_num_batched_tokens": 64, "scheduling_policy": "sjf"}}[prefill_mode]
     producer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_producer",
                    kv_store_url=store.location, **extra)
     consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
