@@ -254,7 +254,8 @@ def run_up(args: argparse.Namespace) -> int:
 
             worker_args = ["--kv-store-url", store, *engine_args]
             cpus = {"prefill": parse_cpus(args.prefill_cpus), role: parse_cpus(args.decode_cpus)}
-            scaler = AutoscalerThread(args, f"http://{h}:{args.port}", worker_args, cpus, role)
+            scaler = AutoscalerThread(args, f"http://{h}:{args.port}", worker_args, cpus, role,
+                                      role_args={"prefill": _prefill_args(args)})
             scaler.start()
             print(f"autoscaling: prefill {args.prefill}..{max(args.prefill, args.max_prefill)}, "
                   f"{role} {args.decode}..{max(args.decode, args.max_decode)}, targets TTFT p90 "

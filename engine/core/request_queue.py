@@ -106,13 +106,16 @@ class ShortestFirstQueue(RequestQueue):
     serving short prompts before long ones lowers mean TTFT and lets more requests meet a TTFT
     SLO. A request that has waited `max_wait_s` since arrival goes ahead of every younger one
     (oldest first), so long prompts are delayed, never starved. Preempted requests go first.
-    A linear scan per peek: waiting queues hold at most a few hundred requests."""
+    A linear scan per peek: waiting queues hold at most a few hundred requests. `pop()` removes
+    the request the last `peek()` returned (a request may age between the two calls: the
+    scheduler allocates for the one it peeked)."""
 
     def __init__(self, max_wait_s: float, clock: Callable[[], float] = time.time) -> None:
         self.max_wait_s = max_wait_s
         self._clock = clock
         self._front: deque[Request] = deque()
         self._items: list[Request] = []
+        self._peeked: Request | None = None  # what peek() last returned from _items
 
     def is_aged(self, request: Request, now: float | None = None) -> bool:
         now = self._clock() if now is None else now
@@ -125,24 +128,29 @@ class ShortestFirstQueue(RequestQueue):
 
     def add(self, request: Request) -> None:
         self._items.append(request)
+        self._peeked = None
 
     def prepend(self, request: Request) -> None:
         self._front.appendleft(request)
+        self._peeked = None
 
     def peek(self) -> Request:
         if self._front:
             return self._front[0]
         now = self._clock()
-        return min(self._items, key=lambda r: self._key(r, now))
+        self._peeked = min(self._items, key=lambda r: self._key(r, now))
+        return self._peeked
 
     def pop(self) -> Request:
         if self._front:
             return self._front.popleft()
-        request = self.peek()
+        request = self._peeked if self._peeked is not None else self.peek()
+        self._peeked = None
         self._items.remove(request)
         return request
 
     def remove(self, request: Request) -> None:
+        self._peeked = None
         if request in self._front:
             self._front.remove(request)
         else:

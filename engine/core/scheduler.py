@@ -180,11 +180,16 @@ class Scheduler:
             if n == 0:
                 idx += 1
                 continue
-            if only is not None and self._sjf_holds_back(num_scheduled, n, tokens_left(request)):
-                break  # the rest of `only` is longer still
+            if self._sjf_holds_back(num_scheduled, n, tokens_left(request)):
+                idx += 1
+                continue
+            held = False  # not preempted either: waits for the next step
             while True:
                 blocks = self.kv.allocate_slots(request, n)
                 if blocks is not None or not may_preempt:
+                    break
+                if only is not None and self.running[-1].request_id in num_scheduled:
+                    held = True  # sjf's second pass never undoes what this step scheduled
                     break
                 victim = self._preempt_one()
                 preempted.append(victim)
@@ -195,7 +200,7 @@ class Scheduler:
                     del new_blocks[victim.request_id]
                     idx -= 1
             if blocks is None:
-                if not may_preempt:
+                if not may_preempt or held:
                     break
                 continue  # the request itself was preempted
             num_scheduled[request.request_id] = n

@@ -16,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from services.worker.client import WorkerClient
@@ -59,17 +59,24 @@ async def wait_serving(target: str, alive: Callable[[], bool], timeout_s: float)
 
 class LocalProcessActuator:
     """`pdserve worker --role R` child processes: `worker_args` are the engine and KV-store flags
-    every worker gets (model, threads, --kv-store-url ...); `cpus` pins them per role."""
+    every worker gets (model, threads, --kv-store-url ...), `role_args` those of one role
+    (e.g. the prefill workers' scheduling flags); `cpus` pins them per role."""
 
     def __init__(self, worker_args: Sequence[str], host: str = "127.0.0.1",
                  cpus: dict[str, set[int] | None] | None = None, startup_timeout_s: float = 300.0,
-                 stop_timeout_s: float = 60.0) -> None:
+                 stop_timeout_s: float = 60.0,
+                 role_args: Mapping[str, Sequence[str]] | None = None) -> None:
         self.worker_args = list(worker_args)
+        self.role_args = {role: list(a) for role, a in (role_args or {}).items()}
         self.host = host
         self.cpus = cpus or {}
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}  # target -> (role, process)
+
+    def command(self, role: str, port: int) -> list[str]:
+        return [sys.executable, "-m", "services.cli", "worker", "--role", role, "--host", self.host,
+                "--port", str(port), *self.worker_args, *self.role_args.get(role, [])]
 
     async def start(self, role: str) -> str:
         port = free_port(self.host)
@@ -86,9 +93,7 @@ class LocalProcessActuator:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--role", role,
-                                 "--host", self.host, "--port", str(port), *self.worker_args],
-                                preexec_fn=setup)
+        proc = subprocess.Popen(self.command(role, port), preexec_fn=setup)
         self.procs[target] = (role, proc)
         try:
             await wait_serving(target, lambda: proc.poll() is None, self.startup_timeout_s)

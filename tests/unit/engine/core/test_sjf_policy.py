@@ -123,3 +123,47 @@ def test_random_load_with_preemption_ends_every_request_and_frees_every_block() 
 def test_sjf_max_wait_must_be_positive() -> None:
     with pytest.raises(ValueError, match="sjf_max_wait_s"):
         EngineConfig(model="x", scheduling_policy="sjf", sjf_max_wait_s=0)
+
+
+def test_a_request_ageing_between_peek_and_pop_is_not_lost() -> None:
+    """The scheduler allocates for the request it peeked; pop() must remove that one even if
+    another crossed sjf_max_wait_s in between (it would otherwise be dropped from the queue)."""
+    s = make_scheduler(scheduling_policy="sjf", max_num_batched_tokens=4, sjf_max_wait_s=10.0)
+    base = time.time()
+    old, short = req("old", 20, arrival=base - 9.95), req("short", 3, arrival=base)
+    s.add_request(old)
+    s.add_request(short)
+    ticks = iter([0.0, 0.0] + [1.0] * 100)  # old ages between the step's last peek and its pop
+    s.waiting._clock = lambda: base + next(ticks)  # type: ignore[attr-defined]
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"short": 3}
+    assert list(s.waiting) == [old] and s.running == [short]
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens["old"] == 3  # aged: next, beside short's decode
+
+
+def test_two_partial_prefills_never_share_a_step() -> None:
+    s = make_scheduler(scheduling_policy="sjf", max_num_batched_tokens=8)
+    s.add_request(req("long", 40, arrival=time.time()))
+    run_step(s)  # long: 32 left
+    s.add_request(req("w", 10, arrival=time.time()))
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"w": 8}
+    out, _ = run_step(s)  # nothing waits now: long's chunk would still only delay w
+    assert out.num_scheduled_tokens == {"w": 2}
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"w": 1, "long": 7}
+
+
+def test_a_deferred_prefill_never_preempts_what_the_step_scheduled() -> None:
+    s = make_scheduler(num_blocks=6, block_size=4, scheduling_policy="sjf", max_num_batched_tokens=12,
+                       sjf_max_wait_s=5.0, enable_prefix_caching=False, long_prefill_token_threshold=6)
+    now = time.time()
+    s.add_request(req("e", 1, max_tokens=2, arrival=now))
+    s.add_request(req("d", 12, arrival=now))
+    run_step(s)  # e decodes, d has 6 of 12
+    s.add_request(req("aged", 40, arrival=now - 100))
+    run_step(s)
+    s.add_request(req("w", 2, arrival=now))  # d is deferred for w; w finds no free block
+    out, _ = run_step(s)
+    assert out.num_scheduled_tokens == {"aged": 6} and not out.preempted_req_ids
