@@ -54,11 +54,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager,
-                num_threads=args.num_threads,
-                max_num_batched_tokens=(2048 if args.max_num_batched_tokens is None
-                                        else args.max_num_batched_tokens),
-                scheduling_policy=args.scheduling_policy or "fcfs",
-                sjf_max_wait_s=args.sjf_max_wait_s)
+                num_threads=args.num_threads, sjf_max_wait_s=args.sjf_max_wait_s,
+                **{k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
+                                     ("scheduling_policy", args.scheduling_policy))
+                   if v is not None})  # unset: EngineConfig's defaults
 
 
 def _add_generate(subparsers: Any) -> None:
@@ -146,11 +145,12 @@ def worker_engine_config(args: argparse.Namespace) -> Any:
     the CPU, 512-token steps."""
     from engine.config import EngineConfig
 
-    if args.scheduling_policy is None:
-        args.scheduling_policy = "sjf" if args.role == "prefill" else "fcfs"
-    if args.max_num_batched_tokens is None and args.role == "prefill" and args.device == "cpu":
-        args.max_num_batched_tokens = 512
-    return EngineConfig(**_engine_kwargs(args), kv_store_url=args.kv_store_url,
+    kwargs = _engine_kwargs(args)
+    if args.role == "prefill":
+        kwargs.setdefault("scheduling_policy", "sjf")
+        if args.device == "cpu":
+            kwargs.setdefault("max_num_batched_tokens", 512)
+    return EngineConfig(**kwargs, kv_store_url=args.kv_store_url,
                         kv_load_mode=args.kv_load_mode,
                         kv_layerwise_max_tokens=args.kv_layerwise_max_tokens)
 

@@ -126,13 +126,9 @@ class Scheduler:
         budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted, deferred)
         resumed: set[str] = set()
         if not preempted:
-            before = len(num_scheduled)
             budget = self._schedule_waiting(budget, num_scheduled, new_blocks, resumed, now)
             if deferred and budget > 0:
-                # Preempting for a deferred prefill could hit a request just taken from the
-                # waiting queue; it may only when none was (else it waits a step).
-                self._schedule_running(budget, num_scheduled, new_blocks, preempted,
-                                       only=deferred, may_preempt=len(num_scheduled) == before)
+                self._schedule_running(budget, num_scheduled, new_blocks, preempted, only=deferred)
         out = self._build_output(num_scheduled, new_blocks, resumed, preempted)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -154,9 +150,9 @@ class Scheduler:
         if len(self.waiting) == 0:
             return set()
         head = self.waiting.peek()
-        limit = -1 if self.waiting.is_aged(head, now) else tokens_left(head)
+        limit = 1 if self.waiting.is_aged(head, now) else max(tokens_left(head), 1)
         return {r.request_id for r in self.running
-                if tokens_left(r) > max(limit, 1) and not self.waiting.is_aged(r, now)}
+                if tokens_left(r) > limit and not self.waiting.is_aged(r, now)}
 
     def _sjf_holds_back(self, num_scheduled: dict[str, int], n: int, left: int) -> bool:
         """sjf: once a step holds a prefill, another joins it only if it completes in it. A
@@ -167,8 +163,10 @@ class Scheduler:
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
                           new_blocks: dict[str, list[int]], preempted: list[Request],
                           skip: set[str] | frozenset[str] = frozenset(),
-                          only: set[str] | None = None, may_preempt: bool = True) -> int:
-        """Schedules running requests in order (those in `skip` not, or only those in `only`)."""
+                          only: set[str] | None = None) -> int:
+        """Schedules running requests in order (those in `skip` not, or only those in `only`).
+        The `only` pass (sjf's deferred prefills) never preempts a request this step scheduled,
+        the requests just taken from the waiting queue included: it leaves its own for later."""
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
@@ -186,10 +184,10 @@ class Scheduler:
             held = False  # not preempted either: waits for the next step
             while True:
                 blocks = self.kv.allocate_slots(request, n)
-                if blocks is not None or not may_preempt:
+                if blocks is not None:
                     break
                 if only is not None and self.running[-1].request_id in num_scheduled:
-                    held = True  # sjf's second pass never undoes what this step scheduled
+                    held = True  # the next victim was scheduled in this step
                     break
                 victim = self._preempt_one()
                 preempted.append(victim)
@@ -200,7 +198,7 @@ class Scheduler:
                     del new_blocks[victim.request_id]
                     idx -= 1
             if blocks is None:
-                if not may_preempt or held:
+                if held:
                     break
                 continue  # the request itself was preempted
             num_scheduled[request.request_id] = n
