@@ -448,6 +448,11 @@ class KVStoreClient:
         """"SERVING" or "NOT_SERVING"."""
         return str(self._action("health", pb.Empty(), pb.HealthResponse).status)
 
+    def instance_id(self) -> str:
+        """The server process's instance id (new at every start), "" when it is not serving."""
+        reply = self._action("health", pb.Empty(), pb.HealthResponse)
+        return str(reply.instance_id) if reply.status == "SERVING" else ""
+
     def metrics_text(self) -> str:
         """The server's Prometheus metrics in text format."""
         def run(conn: flight.FlightClient) -> str:

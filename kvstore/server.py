@@ -10,7 +10,9 @@ is wrong (gRPC INVALID_ARGUMENT through pyarrow's ArrowInvalid) and the server k
 from __future__ import annotations
 
 import logging
+import os
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +42,7 @@ class KVStoreServer(flight.FlightServerBase):
                  max_object_bytes: int | None = None, validate: bool = True,
                  default_ttl_s: float | None = None, shm_root: str | None = None) -> None:
         super().__init__(location)
+        self.instance_id = os.environ.get("PDSERVE_INSTANCE_ID") or uuid.uuid4().hex
         self.backend = backend
         self.max_object_bytes = max_object_bytes
         self.validate = validate
@@ -200,7 +203,8 @@ class KVStoreServer(flight.FlightServerBase):
         except Exception as exc:
             logger.warning("health probe failed: %s", exc)
             status = "NOT_SERVING"
-        return pb.HealthResponse(status=status, backend=self.backend.name).SerializeToString()
+        return pb.HealthResponse(status=status, backend=self.backend.name,
+                                 instance_id=self.instance_id).SerializeToString()
 
     def _metrics(self, body: bytes) -> bytes:
         return self.metrics.exposition(self.backend.stats())

@@ -12,11 +12,13 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from kvstore.backend import Backend
+from kvstore.ports import PortInUseError, port_free, port_in_use_message
 from kvstore.server import KVStoreServer
 from kvstore.shm import resolve_root
 from kvstore.sizes import parse_size
@@ -62,6 +64,10 @@ class KVStoreService:
     once every port is bound; `stop()` shuts all down."""
 
     def __init__(self, opts: StoreOptions, backend: Backend | None = None) -> None:
+        for port, what in ((opts.port, "kvstore"), (opts.lm_port, "kvstore lm://"),
+                           (opts.metrics_port, "kvstore metrics")):
+            if port and not port_free(opts.host, port):  # gRPC alone would share it (SO_REUSEPORT)
+                raise PortInUseError(port_in_use_message(opts.host, port, what))
         self.opts = opts
         self.backend = backend if backend is not None else build_backend(opts)
         max_obj = parse_size(opts.max_object_size, "max_object_size") if opts.max_object_size else None
@@ -146,7 +152,11 @@ def run_kvstore(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before anything can signal us
         signal.signal(sig, lambda *_: stop.set())
-    service = KVStoreService(opts).start()
+    try:
+        service = KVStoreService(opts).start()
+    except PortInUseError as e:
+        print(f"pdserve kvstore: {e}", file=sys.stderr)
+        return 1
     print(f"kvstore: {service.backend.name} backend on {service.location}", flush=True)
     while not stop.wait(0.5):  # polling: a signal is always seen within half a second
         pass

@@ -79,12 +79,14 @@ class StatsResponse(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., objects: _Optional[int] = ..., bytes_used: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., leased: _Optional[int] = ..., pinned: _Optional[int] = ..., max_object_bytes: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "backend")
+    __slots__ = ("status", "backend", "instance_id")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     status: str
     backend: str
-    def __init__(self, status: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, status: _Optional[str] = ..., backend: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class ShmInfo(_message.Message):
     __slots__ = ("dir", "token")

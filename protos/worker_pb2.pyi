@@ -60,31 +60,45 @@ class PrefillRequest(_message.Message):
     transfer_id: str
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
+class KVTransferParams(_message.Message):
+    __slots__ = ("do_remote_prefill", "keys", "num_tokens", "transfer_id", "kv_store_url")
+    DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_URL_FIELD_NUMBER: _ClassVar[int]
+    do_remote_prefill: bool
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: int
+    transfer_id: str
+    kv_store_url: str
+    def __init__(self, do_remote_prefill: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., kv_store_url: _Optional[str] = ...) -> None: ...
+
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "finish_reason", "kv_transfer_params_json", "num_cached_tokens", "first_logprobs")
+    __slots__ = ("first_token_id", "finish_reason", "num_cached_tokens", "first_logprobs", "kv_transfer")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
-    KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     finish_reason: str
-    kv_transfer_params_json: str
     num_cached_tokens: int
     first_logprobs: PositionLogprobs
-    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., kv_transfer_params_json: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ...) -> None: ...
+    kv_transfer: KVTransferParams
+    def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "kv_transfer_params_json")
+    __slots__ = ("request_id", "token_ids", "params", "kv_transfer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
-    KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
-    kv_transfer_params_json: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer_params_json: _Optional[str] = ...) -> None: ...
+    kv_transfer: KVTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
 
 class Logprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")
@@ -145,7 +159,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_usage", "role", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_cached_blocks", "num_prompt_tokens", "busy_seconds")
+    __slots__ = ("num_waiting", "num_running", "kv_usage", "role", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_cached_blocks", "num_prompt_tokens", "busy_seconds", "serving", "not_serving_reason", "instance_id")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +171,9 @@ class LoadReport(_message.Message):
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_usage: float
@@ -168,4 +185,7 @@ class LoadReport(_message.Message):
     num_cached_blocks: int
     num_prompt_tokens: int
     busy_seconds: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., role: _Optional[_Union[Role, str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...
+    serving: bool
+    not_serving_reason: str
+    instance_id: str
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., role: _Optional[_Union[Role, str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
