@@ -48,6 +48,29 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self._dead is not None
 
+    def core_problem(self, silence_s: float, step_timeout_s: float) -> str | None:
+        """Why the engine core cannot serve, or None: it died, it has been silent (frozen,
+        stopped, or its process stuck) for `silence_s`, or one step has run `step_timeout_s`."""
+        if self._dead is not None:
+            return str(self._dead)
+        live = self.engine_core.liveness()
+        if live is None:
+            return None
+        if live.silent_s > silence_s:
+            return f"engine core silent for {live.silent_s:.1f} s (frozen or stuck)"
+        if live.step_s > step_timeout_s:
+            return f"an engine step has run for {live.step_s:.1f} s (stuck)"
+        return None
+
+    def fail(self, reason: str) -> None:
+        """Ends an engine whose core no longer serves: the core process is killed and every
+        request waiting on it fails with EngineDeadError(reason) now (its consumers do not wait
+        for the death to be noticed)."""
+        self.engine_core.kill()
+        if self._dead is None:
+            self._dead = EngineDeadError(reason)
+            self.output_processor.propagate_error(self._dead)
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 

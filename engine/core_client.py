@@ -4,7 +4,9 @@
 - `SyncMPClient` / `AsyncMPClient`: the EngineCore runs in a spawned child process
   (engine/core_proc.py) behind two ZMQ PUSH/PULL ipc sockets in a temp dir; messages are typed
   msgpack (engine/serial.py). A reader thread receives outputs; when the child dies every
-  waiting call raises `EngineDeadError` instead of hanging.
+  waiting call raises `EngineDeadError` instead of hanging. `liveness()` says how long the core
+  has been silent and how long its current step has run (from its heartbeats), so a watchdog
+  can tell a frozen or stuck core; `kill()` ends one (its requests then fail as for a death).
 
 All clients expose the resolved `config` (max_model_len set) and the model's `vocab_size`.
 """
@@ -22,6 +24,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -36,6 +39,7 @@ from engine.serial import (
     ADD,
     FAILED,
     GET_STATS,
+    HEARTBEAT,
     OUTPUTS,
     READY,
     SHUTDOWN,
@@ -53,6 +57,14 @@ STARTUP_TIMEOUT_S = 900.0
 
 class EngineDeadError(RuntimeError):
     """The engine core stopped (its process died or failed); no request can finish."""
+
+
+@dataclass(frozen=True)
+class CoreLiveness:
+    """What the front end last heard from its core process."""
+
+    silent_s: float  # seconds since its last message of any kind
+    step_s: float  # seconds the step under way has run (0 between steps), as of now
 
 
 class EngineCoreClient(ABC):
@@ -76,6 +88,13 @@ class EngineCoreClient(ABC):
 
     @abstractmethod
     def shutdown(self) -> None: ...
+
+    def liveness(self) -> CoreLiveness | None:
+        """None where the core shares this process (its steps are the caller's)."""
+        return None
+
+    def kill(self) -> None:  # noqa: B027 (a no-op where the core shares the process)
+        """Ends a core process that no longer answers (no-op in process)."""
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         raise NotImplementedError
@@ -182,6 +201,8 @@ class MPClient(EngineCoreClient):
         self.vocab_size = ready.vocab_size
         self.num_kv_blocks = ready.num_kv_blocks
         self.ready_stats = ready.stats
+        self._heard = time.monotonic()  # any message from the core
+        self._step = (0.0, self._heard)  # (its last heartbeat's step seconds, when it came)
         self._reader = threading.Thread(target=self._read_outputs, name="core-client-reader",
                                         daemon=True)
         self._reader.start()
@@ -249,11 +270,24 @@ class MPClient(EngineCoreClient):
                                    f"while starting")
         raise TimeoutError(f"engine core did not start within {timeout_s:.0f} s")
 
+    def liveness(self) -> CoreLiveness:
+        now = time.monotonic()
+        step_s, at = self._step
+        return CoreLiveness(now - self._heard, step_s + (now - at) if step_s > 0 else 0.0)
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            logger.error("killing engine core process %s", self.proc.pid)
+            self.proc.kill()
+
     def _read_outputs(self) -> None:
         while not self._closing.is_set():
             if self._output.poll(_POLL_MS):
                 kind, payload = self._codec.decode(self._output.recv_multipart())
-                if kind == OUTPUTS:
+                self._heard = time.monotonic()
+                if kind == HEARTBEAT:
+                    self._step = (payload, self._heard)
+                elif kind == OUTPUTS:
                     self._deliver(self._outputs, payload)
                 elif kind == STATS:
                     self._stats.put(payload)

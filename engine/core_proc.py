@@ -1,7 +1,9 @@
 """The engine core in a process of its own (vLLM's EngineCoreProc).
 
-Three threads: an input thread reads ZMQ messages into a queue, the main loop applies adds and
-aborts then steps the core whenever it has work, an output thread encodes and sends outputs.
+Four threads: an input thread reads ZMQ messages into a queue, the main loop applies adds and
+aborts then steps the core whenever it has work, an output thread encodes and sends outputs, and
+a heartbeat thread says every HEARTBEAT_S how long the step under way has run (the front end's
+watchdog: engine/core_client.py).
 The front end binds both sockets; this process connects, loads the model, then says READY (or
 FAILED with the error). It exits on SHUTDOWN, or when its parent process is gone.
 """
@@ -13,6 +15,7 @@ import multiprocessing
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import msgspec
@@ -26,6 +29,8 @@ from engine.serial import (
     ADD,
     FAILED,
     GET_STATS,
+    HEARTBEAT,
+    HEARTBEAT_S,
     OUTPUTS,
     READY,
     SHUTDOWN,
@@ -80,12 +85,15 @@ class EngineCoreProc:
         self._inputs: queue.Queue[tuple[bytes, Any]] = queue.Queue()
         self._outputs: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
         self._stop = threading.Event()
+        self._step_started: float | None = None  # monotonic time the step under way began
 
     def run(self) -> None:
         reader = threading.Thread(target=self._read_inputs, name="core-input", daemon=True)
         writer = threading.Thread(target=self._write_outputs, name="core-output", daemon=True)
+        heart = threading.Thread(target=self._heartbeat, name="core-heartbeat", daemon=True)
         reader.start()
         writer.start()
+        heart.start()
         try:
             self._loop()
         except Exception as e:
@@ -104,7 +112,9 @@ class EngineCoreProc:
             if not self._handle_inputs(block=not self.core.has_unfinished_requests()):
                 return
             if self.core.has_unfinished_requests():
+                self._step_started = time.monotonic()
                 outputs = self.core.step()
+                self._step_started = None
                 if outputs.outputs:
                     self._outputs.put((OUTPUTS, outputs))
 
@@ -126,9 +136,10 @@ class EngineCoreProc:
         if kind == ADD:
             try:
                 self.core.add_request(payload)
-            except ValueError as e:  # the front end validates; answer instead of hanging
-                logger.warning("request %s rejected: %s", payload.request_id, e)
-                rejected = EngineCoreOutput(payload.request_id, [], finish_reason=FinishReason.ABORT)
+            except Exception as e:  # the front end validates; a request never takes the core down
+                logger.warning("request %s rejected: %r", payload.request_id, e)
+                rejected = EngineCoreOutput(payload.request_id, [], finish_reason=FinishReason.ABORT,
+                                            stop_reason=f"rejected: {e}")
                 self._outputs.put((OUTPUTS, EngineCoreOutputs([rejected])))
         elif kind == ABORT:
             self.core.abort_requests(payload)
@@ -148,6 +159,11 @@ class EngineCoreProc:
                 logger.warning("parent process is gone; engine core exits")
                 self._inputs.put((SHUTDOWN, None))
                 return
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            started = self._step_started
+            self._outputs.put((HEARTBEAT, 0.0 if started is None else time.monotonic() - started))
 
     def _write_outputs(self) -> None:
         while True:

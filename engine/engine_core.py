@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.connector.transfer_params import check_transfer_params
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import (
     STEP_SECONDS_BUCKETS,
@@ -143,6 +144,7 @@ class EngineCore:
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1 in the engine core; the front end "
                              "fans out n > 1")
+        check_transfer_params(request.sampling_params.kv_transfer_params, n, self.config.kv_chunk_size)
 
 
 def _num_blocks(config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device,

@@ -6,7 +6,10 @@ decoding checks the payload against it.
 front end -> core: ADD (EngineCoreRequest), ABORT (list of request ids), GET_STATS (None),
 SHUTDOWN (None).
 core -> front end: READY (ReadyInfo, once the model is loaded), FAILED (CoreFailure, start-up
-failed), OUTPUTS (EngineCoreOutputs), STATS (EngineStats, the answer to GET_STATS).
+failed), OUTPUTS (EngineCoreOutputs), STATS (EngineStats, the answer to GET_STATS), HEARTBEAT
+(float: seconds the step under way has run, 0 between steps; sent every HEARTBEAT_S by a thread
+of its own, so a front end that hears none knows the core is frozen or gone, and one that hears
+a growing number knows a step is stuck).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ READY = b"ready"
 FAILED = b"failed"
 OUTPUTS = b"outputs"
 STATS = b"stats"
+HEARTBEAT = b"heartbeat"
+HEARTBEAT_S = 0.5
 
 
 @dataclass
@@ -55,6 +60,7 @@ _PAYLOAD_TYPES: dict[bytes, Any] = {
     FAILED: CoreFailure,
     OUTPUTS: EngineCoreOutputs,
     STATS: EngineStats,
+    HEARTBEAT: float,
 }
 
 

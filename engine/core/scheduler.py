@@ -13,6 +13,7 @@ takes what budget the waiting requests leave: shortest remaining prefill first.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from engine.core.stop_check import check_stop
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorOutput, KVConnectorScheduler
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,8 +139,9 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += n
         return out
 
-    def _num_new_tokens(self, request: Request, budget: int) -> int:
-        n = request.num_tokens - request.num_computed_tokens
+    def _num_new_tokens(self, request: Request, budget: int, computed: int | None = None) -> int:
+        """Tokens to compute this step, counting from `computed` (default: those computed)."""
+        n = request.num_tokens - (request.num_computed_tokens if computed is None else computed)
         if 0 < self.long_prefill_threshold < n:
             n = self.long_prefill_threshold
         return min(n, budget)
@@ -235,19 +239,18 @@ class Scheduler:
                         continue
                     break
                 self._kv_loaded.discard(request.request_id)
-                self.waiting.pop()
                 request.times.first_scheduled_time = request.times.first_scheduled_time or now
-                request.status = RequestStatus.RUNNING
-                self.running.append(request)
-                num_scheduled[request.request_id] = n
-                new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
-                budget -= n
+                budget -= self._start_running(request, n, num_scheduled, new_blocks)
                 continue
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if (self.connector is not None and request.status == RequestStatus.WAITING
                     and request.request_id not in self._no_external):
-                num_external, load_async = self.connector.get_num_new_matched_tokens(
-                    request, num_hit_tokens)
+                try:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(
+                        request, num_hit_tokens)
+                except Exception as e:  # bad request data: that request fails, the engine goes on
+                    self._fail(request, f"kv connector: {e!r}")
+                    continue
                 if num_external is None:
                     break
                 if load_async and num_external > 0:
@@ -262,13 +265,12 @@ class Scheduler:
                     request.times.num_cached_tokens = num_hit_tokens
                     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     self.waiting_for_kv[request.request_id] = request
-                    self.connector.update_state_after_alloc(
-                        request, self.kv.get_block_ids(request.request_id), num_external)
+                    self._after_alloc(request, num_external)
                     continue
-                if num_external > 0 and request.request_id not in self._no_external:
+                if num_external > 0:
                     # Layer-wise load inside this step: the runner computes only the rest.
                     loaded = num_hit_tokens + num_external
-                    n = self._num_new_tokens_after_hits(request, loaded, budget)
+                    n = self._num_new_tokens(request, budget, loaded)
                     if self._sjf_holds_back(num_scheduled, n, request.num_tokens - loaded):
                         break
                     if self.kv.allocate_slots(request, num_external + n, num_hit_tokens, hits,
@@ -276,40 +278,52 @@ class Scheduler:
                         if self._drop_loaded(request):
                             continue
                         break
-                    self.waiting.pop()
+                    if not self._after_alloc(request, num_external):
+                        continue
                     request.times.first_scheduled_time = now
                     request.times.num_cached_tokens = loaded
-                    request.status = RequestStatus.RUNNING
                     request.num_computed_tokens = loaded
-                    self.running.append(request)
                     self._loading_in_step.add(request.request_id)
-                    self.connector.update_state_after_alloc(
-                        request, self.kv.get_block_ids(request.request_id), num_external)
-                    num_scheduled[request.request_id] = n
-                    new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
-                    budget -= n
+                    budget -= self._start_running(request, n, num_scheduled, new_blocks)
                     continue
-            n = self._num_new_tokens_after_hits(request, num_hit_tokens, budget)
+            n = self._num_new_tokens(request, budget, num_hit_tokens)
             if self._sjf_holds_back(num_scheduled, n, request.num_tokens - num_hit_tokens):
                 break
-            blocks = self.kv.allocate_slots(request, n, num_hit_tokens, hits)
-            if blocks is None:
+            if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
                 if self._drop_loaded(request):
                     continue
                 break
-            self.waiting.pop()
             if request.status == RequestStatus.PREEMPTED:
                 resumed.add(request.request_id)
             else:
                 request.times.first_scheduled_time = now
                 request.times.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            self.running.append(request)
-            num_scheduled[request.request_id] = n
-            new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
-            budget -= n
+            budget -= self._start_running(request, n, num_scheduled, new_blocks)
         return budget
+
+    def _start_running(self, request: Request, n: int, num_scheduled: dict[str, int],
+                       new_blocks: dict[str, list[int]]) -> int:
+        """Moves the waiting queue's head, whose blocks are allocated, to running with `n` new
+        tokens this step; returns `n`."""
+        self.waiting.pop()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        num_scheduled[request.request_id] = n
+        new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
+        return n
+
+    def _after_alloc(self, request: Request, num_external: int) -> bool:
+        """Tells the connector where the request's external tokens go. A failure there (bad
+        request data) fails the request, whose blocks are freed: False."""
+        assert self.connector is not None
+        try:
+            self.connector.update_state_after_alloc(
+                request, self.kv.get_block_ids(request.request_id), num_external)
+        except Exception as e:
+            self._fail(request, f"kv connector: {e!r}")
+            return False
+        return True
 
     def _drop_loaded(self, head: Request) -> bool:
         """The head of the queue does not fit: free the blocks of a request whose KV arrived but
@@ -328,12 +342,6 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
         return True
-
-    def _num_new_tokens_after_hits(self, request: Request, num_hit_tokens: int, budget: int) -> int:
-        n = request.num_tokens - num_hit_tokens
-        if 0 < self.long_prefill_threshold < n:
-            n = self.long_prefill_threshold
-        return min(n, budget)
 
     def _build_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
                       resumed: set[str], preempted: list[Request]) -> SchedulerOutput:
@@ -373,7 +381,7 @@ class Scheduler:
                     self.kv.cache_blocks(request, request.num_computed_tokens)
                 continue
             if self.load_failure_policy == "fail":
-                self._fail_load(request, error)
+                self._fail(request, f"kv_load_failed: {error}")
             else:  # the step computed over bad KV: drop its token and recompute everything
                 self._rollback.add(req_id)
         for req_id in output.finished_recving - self._loading_in_step:
@@ -386,7 +394,7 @@ class Scheduler:
                 continue
             error = output.load_errors.get(req_id)
             if error is not None and self.load_failure_policy == "fail":
-                self._fail_load(request, error)
+                self._fail(request, f"kv_load_failed: {error}")
                 continue
             loaded_end = min(request.num_tokens - 1, self._load_end.pop(req_id, 0))
             if req_id in output.valid_loaded_tokens:
@@ -398,12 +406,17 @@ class Scheduler:
             self._kv_loaded.add(req_id)
             self.waiting.prepend(request)
 
-    def _fail_load(self, request: Request, error: str) -> None:
-        """Policy "fail": the request ends now with an error naming the load failure."""
+    def _fail(self, request: Request, reason: str) -> None:
+        """Ends one request now, with `reason` as its stop reason (a KV load that failed under
+        the "fail" policy, or a connector call that failed on its data): it is taken out of
+        running / waiting, its blocks are freed and its consumer gets a final "abort" output."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.waiting_for_kv.pop(request.request_id, None)
         request.status = RequestStatus.FINISHED_ABORTED
-        request.stop_reason = f"kv_load_failed: {error}"
+        request.stop_reason = reason
         request.times.finished_time = time.time()
         self._free(request)
         self._failed_outputs.append(EngineCoreOutput(
@@ -457,8 +470,12 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         if self.connector is not None:
-            _, request.kv_transfer_params = self.connector.request_finished(
-                request, self.kv.get_block_ids(request.request_id))
+            try:
+                _, request.kv_transfer_params = self.connector.request_finished(
+                    request, self.kv.get_block_ids(request.request_id))
+            except Exception as e:  # the request ends either way; its KV is not handed on
+                logger.warning("kv connector: request_finished(%s) failed: %r", request.request_id, e)
+                request.kv_transfer_params = None
         self._kv_loaded.discard(request.request_id)
         self._no_external.discard(request.request_id)
         self._loading_in_step.discard(request.request_id)
