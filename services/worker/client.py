@@ -5,22 +5,24 @@
     async with WorkerClient("127.0.0.1:50061") as decode:
         async for chunk in decode.decode("r1", [*prompt_ids, first.first_token_id], rest,
                                          first.kv_transfer_params):
-            ...
+            ...  # chunk.token_ids, chunk.logprobs, chunk.finish_reason; empty chunks are heartbeats
 
-Errors arrive as `grpc.aio.AioRpcError` with the server's status code and message. Cancelling the
-task that awaits `prefill` or iterates `decode` cancels the call, which aborts the engine request.
+Nothing of gRPC leaves this module: a failed call raises WorkerError, whose `kind` says what a
+caller can do (`invalid`: the request is wrong; `unavailable`: this worker cannot serve it now,
+another may; `timeout`; `failed`: anything else), and logprobs are plain `Logprob` lists.
+Cancelling the task that awaits `prefill` or iterates `decode` cancels the call, which aborts
+the engine request.
 
 Workers send a call's initial metadata as soon as their engine has the request: `start_prefill`'s
 `accepted()` and `decode(announce=True)` let a caller act on that before the first token arrives
-(the router starts its streamed HTTP response there, while the prompt is computed).
+(the router starts its streamed response there, while the prompt is computed).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,7 +30,47 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.sampling_params import SamplingParams
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from services.worker.convert import params_to_proto
+from services.worker.convert import kv_params_to_dict, kv_params_to_proto, params_to_proto
+
+ErrorKind = Literal["invalid", "unavailable", "timeout", "failed"]
+_KINDS: dict[grpc.StatusCode, ErrorKind] = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.OUT_OF_RANGE: "invalid",
+    grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+    grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.UNKNOWN: "unavailable",
+    grpc.StatusCode.INTERNAL: "unavailable", grpc.StatusCode.CANCELLED: "unavailable",
+    grpc.StatusCode.ABORTED: "unavailable", grpc.StatusCode.RESOURCE_EXHAUSTED: "unavailable",
+}
+
+
+class WorkerError(Exception):
+    """A worker call failed. `kind`: see the module docstring; `down`: the worker looks
+    unreachable or broken (not merely busy), so a router stops sending it requests."""
+
+    def __init__(self, target: str, kind: ErrorKind, message: str, down: bool = False) -> None:
+        super().__init__(f"{target}: {message}")
+        self.target, self.kind, self.message, self.down = target, kind, message, down
+
+    @classmethod
+    def from_rpc(cls, target: str, error: grpc.RpcError) -> WorkerError:
+        code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
+        details = error.details() if callable(getattr(error, "details", None)) else str(error)
+        down = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+        return cls(target, _KINDS.get(code, "failed"), f"{code.name}: {details}", down)
+
+
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+
+
+# One position: the sampled token first, then the top candidates (not repeating it).
+PositionLogprobs = list[Logprob]
+
+
+def _logprobs(position: pb.PositionLogprobs) -> PositionLogprobs:
+    return [Logprob(c.token_id, c.logprob, c.rank) for c in position.candidates]
 
 
 @dataclass(frozen=True)
@@ -39,34 +81,98 @@ class PrefillResult:
     finish_reason: str
     kv_transfer_params: dict[str, Any] | None
     num_cached_tokens: int
-    logprobs: pb.PositionLogprobs | None = None  # the first token's, when asked for
+    logprobs: PositionLogprobs | None = None  # the first token's, when asked for
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # the Decode call's token ids
+    completion_tokens: int  # tokens that call generated
+    cached_tokens: int  # prompt tokens not computed there (prefix cache or KV store)
+
+
+@dataclass
+class DecodeChunk:
+    """New tokens of a Decode stream; the last chunk has finish_reason and usage set. A chunk
+    with neither tokens nor finish_reason is a heartbeat (or, first, the acceptance)."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Usage | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.usage.cached_tokens if self.usage is not None else 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.token_ids and not self.finish_reason
 
 
 _PREFILL_PATH = "/pdserve.worker.v1.Worker/Prefill"
 
 
 class PrefillCall:
-    """A Prefill call in flight. Awaiting `result()` gives its PrefillResult (or raises the call's
-    error); `cancel()` ends it and aborts the request on the worker."""
+    """A Prefill call in flight. Awaiting `result()` gives its PrefillResult (or raises
+    WorkerError); `cancel()` ends it and aborts the request on the worker."""
 
-    def __init__(self, call: Any) -> None:
+    def __init__(self, target: str, call: Any) -> None:
+        self._target = target
         self._call = call
 
     async def accepted(self) -> bool:
         """Waits until the worker has accepted the request (True) or the call ended first (False)."""
-        return await _accepted(self._call)
+        try:
+            return await _accepted(self._call)
+        except grpc.RpcError as e:
+            raise WorkerError.from_rpc(self._target, e) from None
 
     async def result(self) -> PrefillResult:
-        reply = await self._call.read()
+        try:
+            reply = await self._call.read()
+        except grpc.RpcError as e:
+            raise WorkerError.from_rpc(self._target, e) from None
         if reply is grpc.aio.EOF:  # a server that ends the call without a reply and with OK status
-            raise RuntimeError("the worker ended Prefill without a reply")
-        kv = json.loads(reply.kv_transfer_params_json) if reply.kv_transfer_params_json else None
-        logprobs = reply.first_logprobs if reply.HasField("first_logprobs") else None
+            raise WorkerError(self._target, "failed", "the worker ended Prefill without a reply")
+        kv = kv_params_to_dict(reply.kv_transfer) if reply.HasField("kv_transfer") else None
+        logprobs = _logprobs(reply.first_logprobs) if reply.HasField("first_logprobs") else None
         return PrefillResult(reply.first_token_id, reply.finish_reason, kv, reply.num_cached_tokens,
                              logprobs)
 
     def cancel(self) -> None:
         """No-op once the call ended."""
+        self._call.cancel()
+
+
+def _chunk(c: pb.DecodeChunk) -> DecodeChunk:
+    u = c.usage
+    usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if c.HasField("usage") else None
+    return DecodeChunk(list(c.token_ids), [_logprobs(p) for p in c.logprobs], c.finish_reason, usage)
+
+
+class DecodeCall:
+    """A Decode call in flight: `chunks()` streams it (raising WorkerError when it fails);
+    `cancel()` ends it and aborts the request on the worker."""
+
+    def __init__(self, target: str, call: Any, announce: bool) -> None:
+        self._target = target
+        self._call = call
+        self._announce = announce
+
+    async def chunks(self) -> AsyncGenerator[DecodeChunk, None]:
+        call = self._call
+        try:
+            if self._announce and await _accepted(call):
+                yield DecodeChunk([])
+            async for c in call:
+                yield _chunk(c)
+        except grpc.RpcError as e:
+            raise WorkerError.from_rpc(self._target, e) from None
+        finally:
+            call.cancel()  # no-op once the stream ended; aborts the request when left early
+
+    def cancel(self) -> None:
         self._call.cancel()
 
 
@@ -108,37 +214,49 @@ class WorkerClient:
     def start_prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                       transfer_id: str = "", timeout_s: float | None = None) -> PrefillCall:
         """`prefill` as a call in flight: `accepted()`, then `result()`; `cancel()` ends it early."""
-        return PrefillCall(self._prefill(pb.PrefillRequest(
+        return PrefillCall(self.target, self._prefill(pb.PrefillRequest(
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
             transfer_id=transfer_id), timeout=timeout_s))
 
-    async def decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+    def start_decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,
-                     timeout_s: float | None = None, announce: bool = False) -> AsyncIterator[pb.DecodeChunk]:
-        """Streams the new tokens; the last chunk has finish_reason and usage set. With `announce`,
-        an empty chunk (no tokens, no finish_reason) comes first once the worker has accepted the
-        request; none comes when the call ends (or fails) before that."""
+                     timeout_s: float | None = None, announce: bool = False) -> DecodeCall:
+        """`decode` as a call in flight: iterate `chunks()`; `cancel()` ends it from elsewhere."""
         call = self.stub.Decode(pb.DecodeRequest(
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
-            kv_transfer_params_json=json.dumps(kv_transfer_params) if kv_transfer_params else ""),
-            timeout=timeout_s)
-        try:
-            if announce and await _accepted(call):
-                yield pb.DecodeChunk()
-            async for chunk in call:
-                yield chunk
-        finally:
-            call.cancel()  # no-op once the stream ended; aborts the request when left early
+            kv_transfer=kv_params_to_proto(kv_transfer_params)), timeout=timeout_s)
+        return DecodeCall(self.target, call, announce)
+
+    async def decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
+                     kv_transfer_params: dict[str, Any] | None = None,
+                     timeout_s: float | None = None, announce: bool = False) -> AsyncIterator[DecodeChunk]:
+        """Streams the new tokens; the last chunk has finish_reason set. With `announce`, an empty
+        chunk comes first once the worker has accepted the request (none when the call ends or
+        fails before that); later empty chunks are the worker's heartbeats."""
+        call = self.start_decode(request_id, token_ids, params, kv_transfer_params, timeout_s, announce)
+        async for chunk in call.chunks():
+            yield chunk
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a running request; False when the worker does not know it."""
-        reply: pb.AbortResponse = await self.stub.Abort(pb.AbortRequest(request_id=request_id))
+        try:
+            reply: pb.AbortResponse = await self.stub.Abort(pb.AbortRequest(request_id=request_id))
+        except grpc.RpcError as e:
+            raise WorkerError.from_rpc(self.target, e) from None
         return reply.found
 
-    async def load(self) -> pb.LoadReport:
-        return await self.stub.Load(pb.LoadRequest())
+    async def load(self, timeout_s: float | None = None) -> pb.LoadReport:
+        """The worker's load report (serving or not, and why; queues; KV use; instance id)."""
+        try:
+            report: pb.LoadReport = await self.stub.Load(pb.LoadRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise WorkerError.from_rpc(self.target, e) from None
+        return report
 
     async def health(self, service: str = "") -> bool:
         """True when the worker reports SERVING (for `service`, "" = the whole server)."""
-        reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))
+        try:
+            reply = await self.health_stub.Check(health_pb2.HealthCheckRequest(service=service))
+        except grpc.RpcError as e:
+            raise WorkerError.from_rpc(self.target, e) from None
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

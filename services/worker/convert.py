@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from engine.connector.transfer_params import check_transfer_params
 from engine.outputs import CompletionOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from protos import worker_pb2 as pb
@@ -35,17 +35,32 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         repetition_penalty=params.repetition_penalty)
 
 
-def kv_params_from_json(text: str) -> dict[str, Any] | None:
-    """Parses kv_transfer_params_json: None when empty, else a JSON object."""
-    if not text:
+def kv_params_from_proto(msg: pb.KVTransferParams | None, num_tokens: int, chunk_size: int
+                         ) -> dict[str, Any] | None:
+    """The engine's kv_transfer_params of a Decode call on `num_tokens` token ids: None when
+    unset or not a remote prefill; ValueError naming the field for values a consumer cannot use
+    (engine/connector/transfer_params.py)."""
+    if msg is None or not msg.do_remote_prefill:
         return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"kv_transfer_params_json is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_transfer_params_json must be a JSON object, got {type(value).__name__}")
-    return value
+    params = kv_params_to_dict(msg)
+    check_transfer_params(params, num_tokens, chunk_size)
+    return params
+
+
+def kv_params_to_dict(msg: pb.KVTransferParams) -> dict[str, Any]:
+    return {"do_remote_prefill": msg.do_remote_prefill, "keys": list(msg.keys),
+            "num_tokens": msg.num_tokens, "transfer_id": msg.transfer_id,
+            "kv_store_url": msg.kv_store_url}
+
+
+def kv_params_to_proto(params: dict[str, Any] | None) -> pb.KVTransferParams | None:
+    """The wire form of a producer's kv_transfer_params (None stays None)."""
+    if params is None:
+        return None
+    return pb.KVTransferParams(
+        do_remote_prefill=bool(params.get("do_remote_prefill", False)),
+        keys=[str(k) for k in params.get("keys", [])], num_tokens=int(params.get("num_tokens", 0)),
+        transfer_id=str(params.get("transfer_id", "")), kv_store_url=str(params.get("kv_store_url", "")))
 
 
 def token_ids_from_proto(token_ids: Any) -> list[int]:

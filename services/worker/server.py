@@ -6,13 +6,21 @@ and offers Decode; "colocated" has no connector and offers Decode, computing the
 The servicer is a thin adapter: it validates, converts (convert.py), and maps engine errors to
 status codes. Cancelling a call aborts its engine request. With `metrics_port` set, the worker
 also serves Prometheus metrics over HTTP (services/worker/metrics.py).
+
+Health tells the truth (engine_guard.py): the engine core is watched, and one that died, froze
+or hung is killed and restarted while health says NOT_SERVING; Load always answers and says
+whether the worker serves, and why not. A Decode stream with nothing new for `heartbeat_s`
+gets an empty chunk while the engine core is alive, so a caller can tell a quiet stream from a
+stalled worker. The server listens exclusively (no SO_REUSEPORT): a second worker on a taken
+port fails at start with an error naming it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Literal, NoReturn, TypeVar
@@ -22,19 +30,24 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.connector.transfer_params import check_transfer_params
 from engine.core.outputs import EngineStats
 from engine.core_client import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
+from services.procs import PortInUseError, instance_id, port_free, port_in_use_message
 from services.worker.convert import (
     chunk_from_output,
-    kv_params_from_json,
+    kv_params_from_proto,
+    kv_params_to_proto,
     params_from_proto,
     position_to_proto,
     token_ids_from_proto,
 )
+from services.worker.engine_guard import EngineGaveUp, EngineGuard, GuardOptions
+from services.worker.heartbeats import with_heartbeats
 from services.worker.metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -42,6 +55,7 @@ logger = logging.getLogger(__name__)
 WorkerRole = Literal["prefill", "decode", "colocated"]
 ROLES: tuple[WorkerRole, ...] = ("prefill", "decode", "colocated")
 SERVICE_NAME = "pdserve.worker.v1.Worker"
+LIVENESS = "liveness"  # health service name of the liveness probe (the others: readiness)
 _KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {
     "prefill": "kv_producer", "decode": "kv_consumer"}
 _PROTO_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
@@ -60,12 +74,16 @@ class WorkerOptions:
     port: int = 0  # 0 = any free port
     grace_s: float = 10.0  # how long shutdown waits for in-flight calls
     metrics_port: int | None = None  # Prometheus /metrics on `host`; None = off, 0 = any free port
+    heartbeat_s: float = 1.0  # an idle Decode stream gets an empty chunk this often
+    guard: GuardOptions = field(default_factory=GuardOptions)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be non-negative, got {self.grace_s}")
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
 
@@ -78,17 +96,26 @@ class WorkerOptions:
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    """Worker RPCs over one AsyncLLM; UNAVAILABLE until `engine` is set."""
+    """Worker RPCs over the engine its guard keeps; UNAVAILABLE while that engine does not serve."""
 
-    def __init__(self, role: WorkerRole) -> None:
+    def __init__(self, role: WorkerRole, guard: EngineGuard, heartbeat_s: float = 1.0,
+                 chunk_size: int = 256) -> None:
         self.role = role
-        self.engine: AsyncLLM | None = None
+        self.guard = guard
+        self.heartbeat_s = heartbeat_s
+        self.chunk_size = chunk_size  # kv_chunk_size: bounds a Decode's kv_transfer.keys
+        self.instance_id = instance_id()
         self._active: set[str] = set()
         self._stats: EngineStats | None = None  # the last snapshot Load got
         self._stats_task: asyncio.Future[EngineStats] | None = None
+        self._stats_engine: AsyncLLM | None = None  # whose snapshots those are
 
-    def _keep_stats(self, task: asyncio.Future[EngineStats]) -> None:
-        if not task.cancelled() and task.exception() is None:
+    @property
+    def engine(self) -> AsyncLLM | None:
+        return self.guard.engine
+
+    def _keep_stats(self, engine: AsyncLLM, task: asyncio.Future[EngineStats]) -> None:
+        if engine is self._stats_engine and not task.cancelled() and task.exception() is None:
             self._stats = task.result()
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
@@ -99,9 +126,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         one_token = pb.SamplingParams()
         one_token.CopyFrom(request.params)
         one_token.max_tokens, one_token.min_tokens = 1, min(one_token.min_tokens, 1)
-        ids, params = await _parse(context, lambda: (
-            token_ids_from_proto(request.token_ids),
-            params_from_proto(one_token, RequestOutputKind.FINAL_ONLY, transfer)))
+
+        def parse() -> tuple[list[int], SamplingParams]:
+            ids = token_ids_from_proto(request.token_ids)
+            check_transfer_params(transfer, len(ids), self.chunk_size)
+            return ids, params_from_proto(one_token, RequestOutputKind.FINAL_ONLY, transfer)
+
+        ids, params = await _parse(context, parse)
         final: RequestOutput | None = None
         async for out in self._generate(context, request.request_id, ids, params):
             final = out
@@ -113,10 +144,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         finish = sample.finish_reason or ""
         if finish == "length" and self._ends_request(first, params, request.params.min_tokens):
             finish = "stop"  # the first token ends it: no decode follows
-        reply = pb.PrefillResponse(
-            first_token_id=first, finish_reason=finish,
-            kv_transfer_params_json=_json(final.kv_transfer_params),
-            num_cached_tokens=final.num_cached_tokens or 0)
+        reply = pb.PrefillResponse(first_token_id=first, finish_reason=finish,
+                                   kv_transfer=kv_params_to_proto(final.kv_transfer_params),
+                                   num_cached_tokens=final.num_cached_tokens or 0)
         if sample.logprobs:
             reply.first_logprobs.CopyFrom(position_to_proto(sample.logprobs[0]))
         return reply
@@ -136,14 +166,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await _fail(context, grpc.StatusCode.UNIMPLEMENTED, "a prefill worker does not decode")
 
         def parse() -> tuple[list[int], SamplingParams]:
-            kv = kv_params_from_json(request.kv_transfer_params_json)
-            return (token_ids_from_proto(request.token_ids),
-                    params_from_proto(request.params, RequestOutputKind.DELTA,
-                                      kv if self.role == "decode" else None))
+            ids = token_ids_from_proto(request.token_ids)
+            kv = (kv_params_from_proto(request.kv_transfer, len(ids), self.chunk_size)
+                  if self.role == "decode" and request.HasField("kv_transfer") else None)
+            return ids, params_from_proto(request.params, RequestOutputKind.DELTA, kv)
 
         ids, params = await _parse(context, parse)
         completion_tokens = 0
-        async for out in self._generate(context, request.request_id, ids, params):
+        outputs = self._generate(context, request.request_id, ids, params)
+        async for out in with_heartbeats(outputs, self.heartbeat_s,
+                                         lambda: self.guard.core_alive(self.heartbeat_s)):
+            if out is None:  # nothing new for a while, the engine alive: tell the caller
+                yield pb.DecodeChunk()
+                continue
             sample = out.outputs[0]
             completion_tokens += len(sample.token_ids)
             if not sample.token_ids and not out.finished:
@@ -162,27 +197,37 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(found=found)
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        """The engine's queues and KV use. The engine core answers between steps, so a long step
-        (a 2k-token prefill on CPU) would delay the report by up to a step: after LOAD_WAIT_S the
-        last snapshot is returned instead, and the fresh one, when it comes, replaces it."""
-        engine = await self._engine(context)
+        """Whether the worker serves (and why not), its engine's queues and KV use. The engine
+        core answers between steps, so a long step (a 2k-token prefill on CPU) would delay the
+        report by up to a step: after LOAD_WAIT_S the last snapshot is returned instead, and the
+        fresh one, when it comes, replaces it. Never fails: a worker whose engine is down says so."""
+        report = pb.LoadReport(role=_PROTO_ROLES[self.role], serving=self.guard.serving,
+                               not_serving_reason=self.guard.reason, instance_id=self.instance_id)
+        stats = await self._snapshot()
+        if stats is not None:
+            report.MergeFrom(pb.LoadReport(
+                num_waiting=stats.num_waiting, num_running=stats.num_running, kv_usage=stats.kv_usage,
+                num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+                prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+                num_cached_blocks=stats.num_cached_blocks, num_prompt_tokens=stats.num_prompt_tokens,
+                busy_seconds=stats.step_seconds.total))
+        return report
+
+    async def _snapshot(self) -> EngineStats | None:
+        engine = self.engine
+        if engine is None or engine.errored:
+            return None
+        if engine is not self._stats_engine:  # a restarted engine starts over
+            self._stats_engine, self._stats, self._stats_task = engine, None, None
         if self._stats_task is None or self._stats_task.done():
             self._stats_task = asyncio.ensure_future(engine.get_stats())
-            self._stats_task.add_done_callback(self._keep_stats)
+            self._stats_task.add_done_callback(lambda task: self._keep_stats(engine, task))
         try:
-            stats = await asyncio.wait_for(asyncio.shield(self._stats_task),
-                                           LOAD_WAIT_S if self._stats is not None else None)
+            return await asyncio.wait_for(asyncio.shield(self._stats_task), LOAD_WAIT_S)
         except TimeoutError:
-            assert self._stats is not None
-            stats = self._stats
-        return pb.LoadReport(num_waiting=stats.num_waiting, num_running=stats.num_running,
-                             kv_usage=stats.kv_usage, role=_PROTO_ROLES[self.role],
-                             num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
-                             prefix_cache_queries=stats.prefix_cache_queries,
-                             prefix_cache_hits=stats.prefix_cache_hits,
-                             num_cached_blocks=stats.num_cached_blocks,
-                             num_prompt_tokens=stats.num_prompt_tokens,
-                             busy_seconds=stats.step_seconds.total)
+            return self._stats
+        except EngineDeadError:
+            return None
 
     async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -210,11 +255,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             self._active.discard(request_id)
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
-        if self.engine is None:
-            await _fail(context, grpc.StatusCode.UNAVAILABLE, "the engine is starting")
-        if self.engine.errored:
-            await _fail(context, grpc.StatusCode.UNAVAILABLE, "the engine died")
-        return self.engine
+        engine = self.guard.engine
+        if engine is None or not self.guard.serving or engine.errored:
+            why = self.guard.reason or "the engine died"
+            await _fail(context, grpc.StatusCode.UNAVAILABLE, f"not serving: {why}")
+        return engine
 
 
 async def _parse(context: grpc.aio.ServicerContext, parse: Callable[[], T]) -> T:
@@ -230,66 +275,92 @@ async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     raise AssertionError("unreachable")
 
 
-def _json(params: dict[str, object] | None) -> str:
-    return json.dumps(params) if params is not None else ""
-
-
 class WorkerServer:
-    """A running worker: `await start()` (returns once the engine is ready), `await stop()`."""
+    """A running worker: `await start()` (returns once the engine is ready), `await stop()`.
+    `gave_up` is set (and `failed` fires) when its engine could not be kept serving."""
 
     def __init__(self, options: WorkerOptions) -> None:
-        self.options = options
-        self.servicer = WorkerServicer(options.role)
+        o = options
+        self.options = o
+        self.guard = EngineGuard(lambda: AsyncLLM(o.engine_config, True), o.guard, self._on_guard)
+        self.servicer = WorkerServicer(o.role, self.guard, o.heartbeat_s, o.engine.kv_chunk_size)
         self.health = health.aio.HealthServicer()
         self.metrics: WorkerMetrics | None = None
         self.metrics_port: int | None = None  # the bound port, once started
+        self.gave_up: str | None = None
+        self.failed = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        if options.metrics_port is not None:
-            self.metrics = WorkerMetrics(options.engine.model, options.role, self._stats_for_scrape)
-        self.server = grpc.aio.server(interceptors=[self.metrics.interceptor] if self.metrics else None)
+        self._guard_task: asyncio.Task[None] | None = None
+        if o.metrics_port is not None:
+            self.metrics = WorkerMetrics(o.engine.model, o.role, self._stats_for_scrape)
+        what = f"{o.role} worker"
+        for port, name in ((o.port, what), (o.metrics_port, f"{what} metrics")):
+            if port and not port_free(o.host, port):
+                raise PortInUseError(port_in_use_message(o.host, port, name))
+        # No SO_REUSEPORT: gRPC would otherwise let a second worker share a taken port.
+        self.server = grpc.aio.server(interceptors=[self.metrics.interceptor] if self.metrics else None,
+                                      options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{options.host}:{options.port}")
+        try:
+            self.port = self.server.add_insecure_port(f"{o.host}:{o.port}")
+        except RuntimeError:  # taken between the check and the bind
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {options.host}:{options.port}")
+            raise PortInUseError(port_in_use_message(o.host, o.port, what))
 
     @property
     def target(self) -> str:
         return f"{self.options.host}:{self.port}"
 
     async def start(self) -> None:
-        """Listens at once (health NOT_SERVING), builds the engine, then reports SERVING."""
+        """Listens at once (readiness NOT_SERVING), builds the engine, then reports SERVING."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         self._loop = asyncio.get_running_loop()
         await self.server.start()
         try:
             if self.metrics is not None and self.options.metrics_port is not None:
                 self.metrics_port = self.metrics.start_http(self.options.host, self.options.metrics_port)
-            engine = await asyncio.to_thread(AsyncLLM, self.options.engine_config, True)
+            await self.guard.start()
         except BaseException:
             await self.server.stop(None)
             if self.metrics is not None:
                 self.metrics.stop_http()
             raise
-        self.servicer.engine = engine
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._guard_task = asyncio.create_task(self._watch_engine())
         logger.info("%s worker serving on %s", self.options.role, self.target)
+
+    async def _watch_engine(self) -> None:
+        try:
+            await self.guard.run()
+        except EngineGaveUp as e:
+            self.gave_up = str(e)
+            logger.error("giving up: %s", e)
+            await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self.failed.set()
+
+    async def _on_guard(self, serving: bool, reason: str) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING if serving
+                               else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stops accepting calls, lets in-flight ones finish within the grace period (then
         cancels them, which aborts their requests), and shuts the engine down."""
+        if self._guard_task is not None:
+            self._guard_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._guard_task
         await self.health.enter_graceful_shutdown()
         await self.server.stop(self.options.grace_s if grace_s is None else grace_s)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.stop_http)
-        engine, self.servicer.engine = self.servicer.engine, None
-        if engine is not None:
-            engine.shutdown()
+        await self.guard.stop()
 
     def _stats_for_scrape(self) -> EngineStats | None:
         """Called in the metrics thread: the engine's stats, fetched on the event loop (which
         only awaits them), or None when there is no engine or it does not answer in time."""
-        engine, loop = self.servicer.engine, self._loop
+        engine, loop = self.guard.engine, self._loop
         if engine is None or engine.errored or loop is None or loop.is_closed():
             return None
         future = asyncio.run_coroutine_threadsafe(engine.get_stats(), loop)
@@ -308,8 +379,9 @@ class WorkerServer:
             await self.health.set(name, status)
 
 
-async def serve(options: WorkerOptions) -> None:
-    """Runs a worker until SIGINT / SIGTERM, then shuts it down gracefully (`pdserve worker`)."""
+async def serve(options: WorkerOptions) -> int:
+    """Runs a worker until SIGINT / SIGTERM (exit code 0), or until it gives up on its engine
+    (1, for its supervisor to restart it); shuts it down gracefully (`pdserve worker`)."""
     import signal
 
     server = WorkerServer(options)
@@ -321,5 +393,12 @@ async def serve(options: WorkerOptions) -> None:
     print(f"pdserve {options.role} worker listening on {server.target}", flush=True)
     if server.metrics_port is not None:
         print(f"metrics on http://{options.host}:{server.metrics_port}/metrics", flush=True)
-    await stopping.wait()
-    await server.stop()
+    waits = [asyncio.create_task(stopping.wait()), asyncio.create_task(server.failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    await server.stop(0 if server.gave_up else None)
+    if server.gave_up:
+        print(f"pdserve {options.role} worker: {server.gave_up}; exiting", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -16,7 +16,8 @@ from engine.sampling_params import SamplingParams
 from kvstore.client import KVStoreClient
 from kvstore.service import KVStoreService
 from protos import worker_pb2 as pb
-from services.worker.client import WorkerClient
+from services.procs import free_port
+from services.worker.client import DecodeChunk, WorkerClient, WorkerError
 from services.worker.server import WorkerServer
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -45,7 +46,7 @@ def offline(model_dir: Path) -> dict[int, list[int]]:
 
 
 async def stream(client: WorkerClient, request_id: str, ids: list[int], params: SamplingParams,
-                 kv: dict[str, object] | None = None) -> list[pb.DecodeChunk]:
+                 kv: dict[str, object] | None = None) -> list[DecodeChunk]:
     return [chunk async for chunk in client.decode(request_id, ids, params, kv)]
 
 
@@ -77,7 +78,7 @@ async def test_prefill_then_decode_over_the_kv_store_equals_offline_llm(
     async with WorkerClient(workers["prefill"].target) as prefill, \
             WorkerClient(workers["decode"].target) as decode:
 
-        async def one(n: int) -> tuple[list[int], pb.DecodeChunk]:
+        async def one(n: int) -> tuple[list[int], DecodeChunk]:
             prompt = prompt_of(n)
             first = await prefill.prefill(f"pd-{n}", prompt, greedy(NEW_TOKENS), transfer_id=f"t-{n}")
             assert first.finish_reason == "length"
@@ -108,7 +109,7 @@ async def test_stream_computing_the_prompt_concatenates_to_offline_output(
             assert [t for c in chunks for t in c.token_ids] == offline[n]
             assert all(c.finish_reason == "" for c in chunks[:-1])
             assert chunks[-1].finish_reason == "length"
-            assert [c.HasField("usage") for c in chunks] == [False] * (len(chunks) - 1) + [True]
+            assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
             assert chunks[-1].usage.prompt_tokens == n
             assert chunks[-1].usage.completion_tokens == NEW_TOKENS
 
@@ -121,8 +122,8 @@ async def test_logprobs_come_one_position_per_token(workers: dict[str, WorkerSer
     for chunk in chunks:
         assert len(chunk.logprobs) == len(chunk.token_ids)
         for token, position in zip(chunk.token_ids, chunk.logprobs, strict=True):
-            assert token in [c.token_id for c in position.candidates]
-            assert len(position.candidates) >= 2
+            assert token in [c.token_id for c in position]
+            assert len(position) >= 2
 
 
 @pytest.mark.parametrize("role", ["decode", "colocated"])
@@ -144,7 +145,7 @@ async def test_cancelled_stream_aborts_and_frees_its_blocks(
 @in_module_loop
 async def test_abort_rpc_ends_the_stream_with_abort(workers: dict[str, WorkerServer]) -> None:
     async with WorkerClient(workers["colocated"].target) as client:
-        chunks: list[pb.DecodeChunk] = []
+        chunks: list[DecodeChunk] = []
         async for chunk in client.decode("to-abort", prompt_of(40), greedy(400)):
             chunks.append(chunk)
             if len(chunks) == 2:
@@ -154,12 +155,28 @@ async def test_abort_rpc_ends_the_stream_with_abort(workers: dict[str, WorkerSer
         await wait_idle(client)
 
 
-def raw_decode(request_id: str, token_ids: list[int], kv_json: str = "", **params: object
-               ) -> pb.DecodeRequest:
+def raw_decode(request_id: str, token_ids: list[int], kv: pb.KVTransferParams | None = None,
+               **params: object) -> pb.DecodeRequest:
     """A DecodeRequest built on the wire, past the client's own SamplingParams validation."""
     fields: dict[str, object] = {"top_p": 1.0, "top_k": -1, "max_tokens": 2, "repetition_penalty": 1.0}
-    return pb.DecodeRequest(request_id=request_id, token_ids=token_ids, kv_transfer_params_json=kv_json,
+    return pb.DecodeRequest(request_id=request_id, token_ids=token_ids, kv_transfer=kv,
                             params=pb.SamplingParams(**{**fields, **params}))  # type: ignore[arg-type]
+
+
+def status(error: BaseException) -> tuple[str, str]:
+    """(status code name, details) of a failed call, raw (AioRpcError) or through the client."""
+    if isinstance(error, WorkerError):
+        code, _, details = error.message.partition(": ")
+        return code, details
+    assert isinstance(error, grpc.aio.AioRpcError)
+    return error.code().name, error.details() or ""
+
+
+def hostile(**fields: object) -> pb.KVTransferParams:
+    return pb.KVTransferParams(do_remote_prefill=True, **fields)  # type: ignore[arg-type]
+
+
+KEY = "m@1@0@7b@float"  # a well-formed CacheEngineKey string
 
 
 @in_module_loop
@@ -172,24 +189,32 @@ async def test_invalid_arguments_are_rejected_with_the_reason(workers: dict[str,
             (decode.stub.Decode(raw_decode("bad-2", [5, 6], top_k=0)).read(), "top_k"),
             (decode.stub.Decode(raw_decode("bad-3", [5], temperature=-1.0)).read(), "temperature"),
             (decode.stub.Decode(raw_decode("bad-4", [5], max_tokens=0)).read(), "max_tokens"),
-            (decode.stub.Decode(raw_decode("bad-5", [5], kv_json="{oops")).read(), "kv_transfer_params_json"),
-            (decode.stub.Decode(raw_decode("bad-6", [5], kv_json="[1]")).read(), "kv_transfer_params_json"),
+            # The issue's hostile shape (more tokens than the prompt), too many keys, bad keys.
+            (decode.stub.Decode(raw_decode("bad-5", [5] * 20, hostile(keys=[KEY], num_tokens=30))).read(),
+             "kv_transfer_params.num_tokens"),
+            (decode.stub.Decode(raw_decode("bad-6", [5] * 20, hostile(keys=[KEY] * 5, num_tokens=10))).read(),
+             "kv_transfer_params.keys"),
+            (decode.stub.Decode(raw_decode("bad-6b", [5] * 20, hostile(keys=["x"], num_tokens=10))).read(),
+             "kv_transfer_params.keys[0]"),
+            (decode.stub.Decode(raw_decode("bad-6c", [5] * 20, hostile(keys=[KEY * 40], num_tokens=9)))
+             .read(), "kv_transfer_params.keys[0]"),
             (stream(decode, "bad-7", [10**6], greedy(2)), "out of range"),
             (stream(decode, "", [5], greedy(2)), "request_id"),
             (prefill.prefill("bad-8", [], greedy(2)), "token_ids"),
         ]
         for call, field in cases:
-            with pytest.raises(grpc.aio.AioRpcError) as err:
+            with pytest.raises((grpc.aio.AioRpcError, WorkerError)) as err:
                 await call
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
-            assert field in (err.value.details() or "")
+            code, details = status(err.value)
+            assert code == "INVALID_ARGUMENT" and field in details, (code, details)
         assert (await stream(decode, "good", [5, 6], greedy(2)))[-1].finish_reason == "length"
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        assert (await decode.load()).serving  # the hostile calls left it serving
+        with pytest.raises(WorkerError) as werr:
             await colocated.prefill("bad-9", [5, 6], greedy(2))
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        assert status(werr.value)[0] == "UNIMPLEMENTED" and werr.value.kind == "failed"
+        with pytest.raises(WorkerError) as werr:
             await stream(prefill, "bad-10", [5, 6], greedy(2))
-        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert status(werr.value)[0] == "UNIMPLEMENTED"
 
 
 @in_module_loop
@@ -209,14 +234,14 @@ async def test_workers_announce_an_accepted_request_before_its_first_token(
 
         bad = prefill.start_prefill("acc-3", [10**6], greedy(2))
         assert not await bad.accepted()
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        with pytest.raises(WorkerError) as err:
             await bad.result()
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        got: list[pb.DecodeChunk] = []
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        assert err.value.kind == "invalid"
+        got: list[DecodeChunk] = []
+        with pytest.raises(WorkerError) as err:
             async for chunk in colocated.decode("acc-4", [10**6], greedy(2), announce=True):
                 got.append(chunk)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and got == []
+        assert err.value.kind == "invalid" and got == []
         await wait_idle(colocated)
         await wait_idle(prefill)
 
@@ -233,7 +258,7 @@ async def test_stop_waits_for_in_flight_calls(start_worker: Callable[[str], Awai
         chunks = await call
         assert chunks[-1].finish_reason == "length"
         assert sum(len(c.token_ids) for c in chunks) == 30
-        with pytest.raises(grpc.aio.AioRpcError):
+        with pytest.raises(WorkerError):
             await client.health()
 
 
@@ -244,7 +269,7 @@ async def test_cli_worker_serves_and_exits_cleanly_on_sigterm(
     import sys
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.cli", "worker", "--role", "colocated", "--port", "0",
+        sys.executable, "-m", "services.cli", "worker", "--role", "colocated", "--port", str(free_port()),
         "--model", str(model_dir), "--num-threads", "1", "--max-model-len", "512",
         "--num-kv-blocks", "96", "--grace-s", "2",
         cwd=str(Path(__file__).resolve().parents[3]), stdout=asyncio.subprocess.PIPE)
