@@ -1,7 +1,7 @@
 """The prefill -> decode dispatch of one sample over the worker pools.
 
     dispatcher = Dispatcher(DispatchOptions(prefill=("127.0.0.1:50051",), decode=("127.0.0.1:50061",)))
-    dispatcher.start()  # in the event loop: background load / health refresh
+    dispatcher.start()  # in the event loop: background load / health refresh, stall watchdog
     async for step in dispatcher.generate("r1", prompt_ids, params):
         ...  # step.token_ids, step.finish_reason, ...
 
@@ -11,26 +11,38 @@ Conditional disaggregation: when the part of the prompt the chosen decode worker
 cached is at most `local_prefill_tokens`, the decode worker computes it (no transfer). A failed
 prefill is retried on another prefill worker, then the decode worker computes the prompt; a worker
 whose call fails as unreachable is marked unhealthy (see pool.py).
+
+Migration (as Dynamo's): when a decode (or colocated) stream breaks, stays silent for
+`stall_timeout_s` (no token and no worker heartbeat), or its worker goes unhealthy, the sample
+continues on another worker from the prompt plus every token already streamed, with the same KV
+transfer (the new worker loads the prompt's KV from the store where it still is, and computes
+the rest). The caller sees one stream, with no token repeated or missing. At most
+`max_migrations` per sample; each is logged with its reason and counted (`on_migration`). When
+no other worker serves, the sample waits up to `migration_wait_s` for one; the failed worker
+counts again once a load report after the failure says it serves (its engine core restarted,
+or the whole worker did). Greedy samples continue token for token;
+sampled ones with a seed or penalties are not yet position-exact across a migration (issue 18).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 import uuid
-from collections.abc import AsyncGenerator, Callable, Sequence
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field, replace
-from typing import cast
-
-import grpc
+from typing import Any
 
 from engine.sampling_params import SamplingParams
-from protos import worker_pb2 as pb
-from services.router.pool import Pick, Policy, PoolOptions, WorkerPool, is_down
+from services.router.inflight import Attempt, EndedByRouter, InFlight
+from services.router.pool import Pick, Policy, PoolOptions, WorkerPool, WorkerState, is_down
 from services.router.prefix_index import block_hashes
-from services.worker.client import PrefillResult
+from services.worker.client import PositionLogprobs, PrefillResult, WorkerError
 
 logger = logging.getLogger(__name__)
+
 
 class NoWorkerError(Exception):
     """No healthy worker in a pool the request needs."""
@@ -41,7 +53,7 @@ class DispatchOptions:
     prefill: tuple[str, ...] = ()  # empty = colocated mode
     decode: tuple[str, ...] = ()
     prefill_timeout_s: float = 60.0
-    decode_timeout_s: float = 600.0
+    decode_timeout_s: float = 600.0  # the whole decode of a sample, migrations included
     load_timeout_s: float = 1.0
     refresh_s: float = 0.1  # how often worker load and health are refreshed
     prefill_attempts: int = 2  # prefill workers tried before the decode worker computes the prompt
@@ -49,6 +61,9 @@ class DispatchOptions:
     decode_policy: Policy = "prefix_aware"
     local_prefill_tokens: int = 0  # uncached prompt tokens the decode worker computes itself; 0 = off
     block_size: int = 16
+    stall_timeout_s: float = 5.0  # a decode stream silent this long moves to another worker
+    max_migrations: int = 3  # per sample
+    migration_wait_s: float = 60.0  # how long a migrating sample waits for a serving worker
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -57,7 +72,10 @@ class DispatchOptions:
             raise ValueError(f"prefill_attempts: must be at least 1, got {self.prefill_attempts}")
         if self.local_prefill_tokens < 0:
             raise ValueError(f"local_prefill_tokens: must be >= 0, got {self.local_prefill_tokens}")
-        for name in ("prefill_timeout_s", "decode_timeout_s", "load_timeout_s", "refresh_s"):
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations: must be >= 0, got {self.max_migrations}")
+        for name in ("prefill_timeout_s", "decode_timeout_s", "load_timeout_s", "refresh_s",
+                     "stall_timeout_s", "migration_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
 
@@ -73,7 +91,7 @@ class Step:
     sample: its prompt is being computed (a streamed response can start there)."""
 
     token_ids: list[int]
-    logprobs: list[pb.PositionLogprobs] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str = ""
     cached_tokens: int = 0
 
@@ -82,19 +100,48 @@ class Step:
         return not self.token_ids and not self.finish_reason
 
 
+@dataclass
+class _Sample:
+    """One sample's decode: what the next attempt starts from."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams  # the whole sample's
+    kv: dict[str, Any] | None
+    hashes: Sequence[int]
+    deadline: float
+    generated: list[int] = field(default_factory=list)  # tokens already streamed to the caller
+    migrations: int = 0
+
+    def next_call(self) -> tuple[str, list[int], SamplingParams]:
+        """Request id, token ids and params of the next attempt: the rest of the sample."""
+        n = len(self.generated)
+        assert self.params.max_tokens is not None
+        params = replace(self.params, max_tokens=self.params.max_tokens - n,
+                         min_tokens=max(0, self.params.min_tokens - n))
+        rid = self.request_id if self.migrations == 0 else f"{self.request_id}-m{self.migrations}"
+        return rid, [*self.prompt_ids, *self.generated], params
+
+
 class Dispatcher:
     """Runs one sample through a prefill worker and a decode worker (or one colocated worker).
-    `on_decision(name)` is told how each sample was dispatched (for metrics)."""
+    `on_decision(name)` is told how each sample was dispatched, `on_migration(reason)` each time
+    one moved to another worker ("broken", "stalled" or "unhealthy"), for metrics."""
 
     def __init__(self, options: DispatchOptions, on_decision: Callable[[str], None] | None = None,
-                 on_prefill_failure: Callable[[str], None] | None = None) -> None:
+                 on_prefill_failure: Callable[[str], None] | None = None,
+                 on_migration: Callable[[str], None] | None = None) -> None:
         self.options = options
-        self.prefill = (WorkerPool("prefill", options.prefill, options.pool_options(options.prefill_policy))
+        self.inflight = InFlight(options.stall_timeout_s)
+        self.prefill = (WorkerPool("prefill", options.prefill, options.pool_options(options.prefill_policy),
+                                   on_unhealthy=self._worker_unhealthy)
                         if options.prefill else None)
         role = "decode" if options.prefill else "colocated"
-        self.decode = WorkerPool(role, options.decode, options.pool_options(options.decode_policy))
+        self.decode = WorkerPool(role, options.decode, options.pool_options(options.decode_policy),
+                                 on_unhealthy=self._worker_unhealthy)
         self._on_decision = on_decision or _ignore
         self._on_prefill_failure = on_prefill_failure or _ignore
+        self._on_migration = on_migration or _ignore
 
     @property
     def pools(self) -> list[WorkerPool]:
@@ -103,10 +150,17 @@ class Dispatcher:
     def start(self) -> None:
         for pool in self.pools:
             pool.start()
+        self.inflight.start()
 
     async def close(self) -> None:
+        await self.inflight.close()
         for pool in self.pools:
             await pool.close()
+
+    def _worker_unhealthy(self, w: WorkerState, why: str) -> None:
+        n = self.inflight.end_all_on(w.target, f"worker unhealthy: {why}")
+        if n:
+            logger.warning("%d calls in flight on %s are moved elsewhere", n, w.target)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
                        ) -> AsyncGenerator[Step, None]:
@@ -124,25 +178,24 @@ class Dispatcher:
                     else:
                         announced = True
                         yield item
-        if first is None:
-            async for step in self._decode(request_id, prompt_ids, params, None, hashes, local,
-                                           announce=not announced):
-                yield step
-            return
-        done = params.max_tokens == 1 or first.finish_reason == "stop"
-        yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
-                   finish_reason=(first.finish_reason or "length") if done else "",
-                   cached_tokens=first.num_cached_tokens)
-        if done:
-            return
-        rest = replace(params, max_tokens=params.max_tokens - 1, min_tokens=max(0, params.min_tokens - 1))
-        async for step in self._decode(request_id, [*prompt_ids, first.first_token_id], rest,
-                                       first.kv_transfer_params, hashes):
-            step.cached_tokens = first.num_cached_tokens  # not the tokens loaded from the KV store
+        sample = _Sample(request_id, prompt_ids, params, None, hashes,
+                         time.monotonic() + self.options.decode_timeout_s)
+        if first is not None:
+            done = params.max_tokens == 1 or first.finish_reason == "stop"
+            yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
+                       finish_reason=(first.finish_reason or "length") if done else "",
+                       cached_tokens=first.num_cached_tokens)
+            if done:
+                return
+            sample.generated.append(first.first_token_id)
+            sample.kv = first.kv_transfer_params
+        async for step in self._decode(sample, local, announce=first is None and not announced):
+            if first is not None:
+                step.cached_tokens = first.num_cached_tokens  # not the tokens loaded from the store
             yield step
 
-    def _decode_pick(self, hashes: Sequence[int]) -> Pick:
-        pick = self.decode.pick(hashes)
+    def _decode_pick(self, hashes: Sequence[int], prompt_tokens: int) -> Pick:
+        pick = self.decode.pick(hashes, prompt_tokens=prompt_tokens)
         if pick is None:
             raise NoWorkerError(f"no healthy {self.decode.role} worker")
         return pick
@@ -152,7 +205,7 @@ class Dispatcher:
         part it has likely not cached is at most local_prefill_tokens, else None."""
         if self.prefill is None or not self.options.local_prefill_tokens:
             return None
-        pick = self._decode_pick(hashes)
+        pick = self._decode_pick(hashes, len(prompt_ids))
         if len(prompt_ids) - pick.matched_tokens > self.options.local_prefill_tokens:
             return None
         self._on_decision("local_prefill")
@@ -168,7 +221,7 @@ class Dispatcher:
         tried: set[str] = set()
         announced = False
         for _ in range(self.options.prefill_attempts):
-            pick = self.prefill.pick(hashes, frozenset(tried))
+            pick = self.prefill.pick(hashes, frozenset(tried), len(prompt_ids))
             if pick is None:
                 break
             worker = pick.worker
@@ -176,20 +229,23 @@ class Dispatcher:
             self.prefill.acquire(worker, hashes)
             call = worker.client.start_prefill(request_id, prompt_ids, params, transfer_id=uuid.uuid4().hex,
                                                timeout_s=self.options.prefill_timeout_s)
+            attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=False))
             try:
-                if not announced and await call.accepted():
-                    announced = True
-                    yield Step([])
-                result = await call.result()
-            except grpc.RpcError as e:
-                if _code(e) == grpc.StatusCode.INVALID_ARGUMENT:
+                with _ended_by_router(attempt):
+                    if not announced and await call.accepted():
+                        announced = True
+                        yield Step([])
+                    result = await call.result()
+            except WorkerError as e:
+                if e.kind == "invalid":
                     raise
                 self._on_prefill_failure(worker.target)
                 if is_down(e):
                     self.prefill.mark_failed(worker, e)
-                logger.warning("prefill of %s failed on %s: %s", request_id, worker.target, e)
+                logger.warning("prefill of %s failed on %s: %s", request_id, worker.target, e.message)
                 continue
             finally:
+                self.inflight.discard(attempt)
                 call.cancel()  # no-op once it ended; a consumer that left mid-prefill aborts it
                 self.prefill.release(worker)
             self._on_decision("disaggregated")
@@ -197,31 +253,92 @@ class Dispatcher:
             return
         self._on_decision("fallback")
 
-    async def _decode(self, request_id: str, ids: list[int], params: SamplingParams,
-                      kv_transfer_params: dict[str, object] | None, hashes: Sequence[int],
-                      pick: Pick | None = None, announce: bool = False) -> AsyncGenerator[Step, None]:
-        worker = (pick or self._decode_pick(hashes)).worker
-        self.decode.acquire(worker, hashes)
+    async def _decode(self, sample: _Sample, pick: Pick | None = None, announce: bool = False
+                      ) -> AsyncGenerator[Step, None]:
+        """The sample's decode, moved to another worker as often as needed (and allowed)."""
+        worker = (pick or self._decode_pick(sample.hashes, len(sample.prompt_ids))).worker
+        while True:
+            try:
+                async for step in self._decode_on(worker, sample, announce):
+                    yield step
+                return
+            except WorkerError as e:
+                if e.kind in ("invalid", "timeout") or sample.migrations >= self.options.max_migrations:
+                    raise
+                if is_down(e):
+                    self.decode.mark_failed(worker, e)
+                reason = e.why if isinstance(e, EndedByRouter) else "broken"
+                failed = worker.target
+                worker = await self._migration_target(sample, failed, time.monotonic())
+                sample.migrations += 1
+                announce = False
+                self._on_migration(reason)
+                logger.warning("migrating %s from %s to %s after %d tokens (%s): %s", sample.request_id,
+                               failed, worker.target, len(sample.generated), reason, e.message)
+
+    async def _decode_on(self, worker: WorkerState, sample: _Sample, announce: bool
+                         ) -> AsyncGenerator[Step, None]:
+        """One attempt: the rest of the sample on `worker`. Raises WorkerError when the stream
+        breaks, stalls, or the router ended it; a stream that ends without finishing is broken."""
+        remaining = sample.deadline - time.monotonic()
+        if remaining <= 0:
+            raise WorkerError(worker.target, "timeout", "the sample's decode deadline passed")
+        rid, ids, params = sample.next_call()
+        self.decode.acquire(worker, sample.hashes)
+        call = worker.client.start_decode(rid, ids, params, sample.kv, timeout_s=remaining,
+                                          announce=announce)
+        attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=True))
+        chunks = call.chunks()
         try:
-            chunks = cast(AsyncGenerator[pb.DecodeChunk, None], worker.client.decode(
-                request_id, ids, params, kv_transfer_params, timeout_s=self.options.decode_timeout_s,
-                announce=announce))
             async with aclosing(chunks):  # leaving early cancels the call, which aborts the request
-                async for chunk in chunks:
-                    yield Step(list(chunk.token_ids), list(chunk.logprobs), chunk.finish_reason,
-                               chunk.usage.cached_tokens)
-        except grpc.RpcError as e:
-            if is_down(e):
-                self.decode.mark_failed(worker, e)
-            raise
+                with _ended_by_router(attempt):
+                    async for chunk in chunks:
+                        attempt.touch()
+                        if chunk.empty:
+                            if announce:  # the acceptance; later empty chunks are heartbeats
+                                announce = False
+                                yield Step([])
+                            continue
+                        announce = False
+                        sample.generated.extend(chunk.token_ids)
+                        yield Step(chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.cached_tokens)
+                        if chunk.finish_reason:
+                            return
+            raise WorkerError(worker.target, "unavailable", "the stream ended without a finish")
         finally:
+            self.inflight.discard(attempt)
             self.decode.release(worker)
+
+    async def _migration_target(self, sample: _Sample, failed: str, failed_at: float) -> WorkerState:
+        """A serving worker other than the failed one (or the failed one, once a report after
+        the failure says it serves), waited for up to migration_wait_s."""
+        deadline = min(sample.deadline, time.monotonic() + self.options.migration_wait_s)
+        while True:
+            pick = self.decode.pick(sample.hashes, frozenset({failed}), len(sample.prompt_ids))
+            same = self.decode.find(failed)
+            if (pick is None and same is not None and same.healthy and not same.draining
+                    and same.reported_at > failed_at):
+                pick = Pick(same, 0)
+            if pick is not None:
+                return pick.worker
+            if time.monotonic() > deadline:
+                raise NoWorkerError(f"no {self.decode.role} worker to continue {sample.request_id} on "
+                                    f"after {failed} failed")
+            await asyncio.sleep(0.1)
+
+
+@contextmanager
+def _ended_by_router(attempt: Attempt) -> Iterator[None]:
+    """Inside: a call the router ended (stalled, worker unhealthy) raises its EndedByRouter,
+    whatever the cancelled call raised; the consumer leaving still cancels as it should."""
+    try:
+        yield
+    except (asyncio.CancelledError, WorkerError):
+        task = asyncio.current_task()
+        if attempt.ended is None or (task is not None and task.cancelling()):
+            raise
+        raise attempt.ended from None
 
 
 def _ignore(_: str) -> None:
     pass
-
-
-def _code(error: grpc.RpcError) -> grpc.StatusCode | None:
-    code = getattr(error, "code", None)
-    return code() if callable(code) else None

@@ -53,6 +53,10 @@ class RouterMetrics:
                                 ["reason"], registry=r)
         self.prefill_failures = Counter("pdserve:router_prefill_failures", "Failed prefill calls.",
                                         ["worker"], registry=r)
+        self.migrations = Counter("pdserve:router_migrations", "Samples moved to another decode (or "
+                                  "colocated) worker mid-stream, by reason: broken (the stream failed), "
+                                  "stalled (no output or heartbeat within the stall timeout), unhealthy "
+                                  "(the worker went unhealthy).", ["reason"], registry=r)
         self.registry.register(_PoolCollector(list(pools)))
 
     def exposition(self) -> bytes:

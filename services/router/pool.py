@@ -3,8 +3,12 @@ report, their health, the requests the router has sent them, and a prefix index 
 
 A background task asks every worker for its load every `refresh_s` (with a timeout). A worker that
 cannot be reached (Load or a request failing with UNAVAILABLE, `mark_failed`) is unhealthy at once;
-one whose reports time out `missed_reports_unhealthy` times in a row (hung) is too; an unhealthy
-worker gets no requests until a Load succeeds again. Picking never waits on the network.
+one whose report says it does not serve (its engine core is down, frozen or restarting) is too;
+so is one whose reports time out `missed_reports_unhealthy` times in a row (frozen, hung). An
+unhealthy worker gets no requests until a report says it serves again; `on_unhealthy(worker,
+why)` is told at once (the dispatcher moves the calls in flight there elsewhere). A report with
+a new instance id means the worker restarted: what the pool knew of its cache is forgotten.
+Picking never waits on the network.
 
 Targets are host:port, or dns:host:port for every address a name resolves to (compose replicas,
 a Kubernetes headless service), re-resolved every `resolve_s`: new addresses join, vanished ones
@@ -13,9 +17,14 @@ are drained and removed.
 Policies:
 - "least_loaded": vLLM's score, waiting * 4 + running, from the last report plus the requests sent
   since that report (so a burst between two reports spreads out).
-- "prefix_aware": among the workers whose score is within `balance_slack` of the least loaded,
-  the one whose prefix index matches the most leading prompt blocks (ties: least loaded). A hot
-  prefix stays on one worker until that worker is `balance_slack` busier than the others.
+- "prefix_aware": cache overlap weighed against load, both in tokens (as Dynamo's KV router and
+  llm-d's scorers weigh them): the worker with the lowest
+      overlap_weight * (prompt tokens it has likely not cached) + (tokens of work it holds),
+  where the work held is its KV blocks in use plus, for each request queued there or sent since
+  its last report, one prompt's worth. A shared prefix (a chat template's system prompt) saves
+  its tokens on the worker that has it, and no more: once that worker holds more work than the
+  prefix saves, the next request goes elsewhere, and a new or restarted worker (no work held)
+  takes requests as soon as its first report says it serves.
 """
 
 from __future__ import annotations
@@ -30,11 +39,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import grpc
-
 from protos import worker_pb2 as pb
 from services.router.prefix_index import PrefixIndex
-from services.worker.client import WorkerClient
+from services.worker.client import WorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +63,15 @@ class PoolOptions:
     refresh_s: float = 0.1  # how often each worker's load is asked for
     load_timeout_s: float = 1.0
     resolve_s: float = 2.0  # how often `dns:` targets are resolved again
-    balance_slack: float = 4.0  # score a worker may exceed the least loaded by and still win on prefix
+    overlap_weight: float = 1.0  # prefix_aware: what a cached prompt token is worth in held tokens
     missed_reports_unhealthy: int = 5  # late load reports in a row that mark a worker unhealthy
     block_size: int = 16  # the workers' KV block size (prefix index granularity)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
-        if self.refresh_s <= 0 or self.load_timeout_s <= 0 or self.balance_slack < 0:
-            raise ValueError("refresh_s and load_timeout_s must be > 0 and balance_slack >= 0")
+        if self.refresh_s <= 0 or self.load_timeout_s <= 0 or self.overlap_weight < 0:
+            raise ValueError("refresh_s and load_timeout_s must be > 0 and overlap_weight >= 0")
 
 
 @dataclass
@@ -80,6 +87,15 @@ class WorkerState:
     failures: int = 0
     missed_reports: int = 0  # load reports in a row that failed or came late
     last_error: str = ""
+    instance: str = ""  # the worker process's instance id, from its reports
+    reported_at: float = -math.inf  # monotonic time of its last load report
+
+    def held_tokens(self, block_size: int, prompt_tokens: int) -> int:
+        """Work the worker holds, in tokens: its KV blocks in use, and a prompt's worth for each
+        request queued there or sent since its last report (those hold no blocks yet)."""
+        load = self.load
+        used = (int(load.num_total_blocks) - int(load.num_free_blocks)) * block_size if load else 0
+        return used + self.waiting * prompt_tokens
 
     @property
     def target(self) -> str:
@@ -111,9 +127,11 @@ class Pick:
 
 class WorkerPool:
     def __init__(self, role: str, targets: Sequence[str], options: PoolOptions = PoolOptions(),
-                 resolver: Resolver | None = None) -> None:
+                 resolver: Resolver | None = None,
+                 on_unhealthy: Callable[[WorkerState, str], None] | None = None) -> None:
         self.role = role
         self.options = options
+        self.on_unhealthy = on_unhealthy
         self.workers = [WorkerState(WorkerClient(t), PrefixIndex(options.block_size))
                         for t in targets if not t.startswith(DNS_PREFIX)]
         # "dns:host:port" targets: every address the name resolves to is a worker (compose
@@ -174,14 +192,22 @@ class WorkerPool:
     async def _refresh_one(self, w: WorkerState) -> None:
         try:
             load = await asyncio.wait_for(w.client.load(), self.options.load_timeout_s)
-        except (grpc.RpcError, TimeoutError) as e:
+        except (WorkerError, TimeoutError) as e:
             w.missed_reports += 1
             # Unreachable: at once. Slow (a busy worker answers late): after a few in a row.
             if is_down(e) or w.missed_reports >= self.options.missed_reports_unhealthy:
                 self._set_unhealthy(w, f"load report failed: {_describe(e)}")
             return
         w.load, w.sent_since_report, w.missed_reports = load, 0, 0
-        if not w.healthy:
+        w.reported_at = time.monotonic()
+        if load.instance_id != w.instance:
+            if w.instance:
+                logger.warning("%s worker %s restarted (new instance)", self.role, w.target)
+                w.prefix.clear()
+            w.instance = load.instance_id
+        if not load.serving:
+            self._set_unhealthy(w, f"not serving: {load.not_serving_reason}")
+        elif not w.healthy:
             logger.warning("%s worker %s is healthy again", self.role, w.target)
             w.healthy, w.last_error = True, ""
 
@@ -191,10 +217,13 @@ class WorkerPool:
         self._set_unhealthy(w, _describe(error))
 
     def _set_unhealthy(self, w: WorkerState, why: str) -> None:
-        if w.healthy:
+        was = w.healthy
+        if was:
             logger.warning("%s worker %s marked unhealthy: %s", self.role, w.target, why)
             w.prefix.clear()  # a restarted worker has an empty cache
         w.healthy, w.last_error = False, why
+        if was and self.on_unhealthy is not None:
+            self.on_unhealthy(w, why)
 
     # --- choosing -----------------------------------------------------------------------------
     @property
@@ -244,18 +273,25 @@ class WorkerPool:
         healthy = self.healthy
         return bool(healthy) and all(w.waiting >= max_waiting for w in healthy)
 
-    def pick(self, hashes: Sequence[int] = (), exclude: frozenset[str] = frozenset()) -> Pick | None:
-        """The worker for a prompt whose block hashes are `hashes`; None when none is healthy."""
+    def pick(self, hashes: Sequence[int] = (), exclude: frozenset[str] = frozenset(),
+             prompt_tokens: int = 0) -> Pick | None:
+        """The worker for a prompt of `prompt_tokens` tokens whose block hashes are `hashes`;
+        None when none is healthy (or all are in `exclude`)."""
         cands = [w for w in self.workers if w.healthy and not w.draining and w.target not in exclude]
         if not cands:
             return None
-        best = min(w.score for w in cands)
         if self.options.policy == "least_loaded" or not hashes:
             w = min(cands, key=lambda w: (w.score, w.inflight))
             return Pick(w, w.prefix.match(hashes))
-        near = [w for w in cands if w.score <= best + self.options.balance_slack]
-        matches = {w.target: w.prefix.match(hashes) for w in near}
-        w = min(near, key=lambda w: (-matches[w.target], w.score, w.inflight))
+        bs, weight = self.options.block_size, self.options.overlap_weight
+        tokens = max(prompt_tokens, len(hashes) * bs)
+        matches = {w.target: w.prefix.match(hashes) for w in cands}
+
+        def cost(w: WorkerState) -> tuple[float, int]:
+            uncached = tokens - matches[w.target]
+            return weight * uncached + w.held_tokens(bs, tokens), w.inflight
+
+        w = min(cands, key=cost)
         return Pick(w, matches[w.target])
 
     def acquire(self, w: WorkerState, hashes: Sequence[int] = ()) -> None:
@@ -270,10 +306,9 @@ class WorkerPool:
 
 
 def is_down(error: BaseException) -> bool:
-    """Whether a failed call says the worker is unreachable (as opposed to a bad request)."""
-    if isinstance(error, grpc.RpcError):
-        code = error.code() if callable(getattr(error, "code", None)) else None
-        return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+    """Whether a failed call says the worker is unreachable or broken (not a bad request)."""
+    if isinstance(error, WorkerError):
+        return error.down
     return isinstance(error, ConnectionError | OSError) and not isinstance(error, TimeoutError)
 
 
@@ -287,7 +322,7 @@ def _join(ip: str, port: str) -> str:
 
 
 def _describe(error: BaseException) -> str:
-    if isinstance(error, grpc.RpcError) and callable(getattr(error, "details", None)):
-        return f"{error.code().name}: {error.details()}"
+    if isinstance(error, WorkerError):
+        return error.message
     return f"{type(error).__name__}: {error}"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -11,13 +10,9 @@ import httpx
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.procs import free_port
 from services.router.app import RouterConfig, create_app
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from services.router.edge import uvicorn_config
 
 
 class ServedRouter:
@@ -25,9 +20,9 @@ class ServedRouter:
 
     def __init__(self, config: RouterConfig | Any) -> None:
         self.port = free_port()
+        router = config if isinstance(config, RouterConfig) else RouterConfig(model="m", tokenizer="m")
         app = create_app(config) if isinstance(config, RouterConfig) else config
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="on"))
+        self.server = uvicorn.Server(uvicorn_config(app, router, host="127.0.0.1", port=self.port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ServedRouter:

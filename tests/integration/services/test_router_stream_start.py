@@ -18,6 +18,7 @@ import pytest
 
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
+from services.procs import free_port
 from services.router.app import RouterConfig
 from services.router.dispatch import DispatchOptions
 from tests.integration.services.router_util import ServedRouter
@@ -56,13 +57,13 @@ class GatedWorker(pb_grpc.WorkerServicer):
                              usage=pb.Usage(prompt_tokens=len(request.token_ids), completion_tokens=1))
 
     async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
-        return pb.LoadReport(role=self.role)  # type: ignore[arg-type]
+        return pb.LoadReport(role=self.role, serving=True)  # type: ignore[arg-type]
 
 
 async def serve(worker: GatedWorker) -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server()
     pb_grpc.add_WorkerServicer_to_server(worker, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     await server.start()
     return server, f"127.0.0.1:{port}"
 

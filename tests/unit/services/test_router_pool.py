@@ -3,12 +3,12 @@ prefix-aware policies over fabricated load reports, saturation, health marking."
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from protos import worker_pb2 as pb
-from services.router.pool import PoolOptions, WorkerPool, is_down
+from services.router.pool import PoolOptions, WorkerPool, WorkerState, is_down
 from services.router.prefix_index import PrefixIndex, block_hashes
+from services.worker.client import WorkerError
 
 
 def test_block_hashes_chain_over_full_blocks_only() -> None:
@@ -31,13 +31,14 @@ def test_prefix_index_matches_leading_blocks_and_forgets_the_oldest() -> None:
     assert len(idx) == 0
 
 
-def report(waiting: int, running: int) -> pb.LoadReport:
-    return pb.LoadReport(num_waiting=waiting, num_running=running)
+def report(waiting: int, running: int, used_blocks: int = 0, instance: str = "i") -> pb.LoadReport:
+    return pb.LoadReport(num_waiting=waiting, num_running=running, num_total_blocks=1000,
+                         num_free_blocks=1000 - used_blocks, serving=True, instance_id=instance)
 
 
-async def make_pool(policy: str, loads: list[tuple[int, int]], slack: float = 4.0) -> WorkerPool:
+async def make_pool(policy: str, loads: list[tuple[int, int]]) -> WorkerPool:
     pool = WorkerPool("decode", [f"127.0.0.1:{1 + i}" for i in range(len(loads))],
-                      PoolOptions(policy=policy, balance_slack=slack))  # type: ignore[arg-type]
+                      PoolOptions(policy=policy))  # type: ignore[arg-type]
     for w, (waiting, running) in zip(pool.workers, loads, strict=True):
         w.load = report(waiting, running)
     return pool
@@ -60,22 +61,52 @@ async def test_least_loaded_uses_vllms_score_and_counts_requests_sent_since_the_
         await pool.close()
 
 
-async def test_prefix_aware_keeps_a_prefix_on_its_worker_until_it_is_busier_by_the_slack() -> None:
-    pool = await make_pool("prefix_aware", [(0, 0), (0, 0)], slack=2)
-    hashes = block_hashes(list(range(64)), 16)
+async def test_prefix_aware_weighs_the_cached_prefix_against_the_work_a_worker_holds() -> None:
+    pool = await make_pool("prefix_aware", [(0, 0), (0, 0)])
+    hashes = block_hashes(list(range(64)), 16)  # 64 prompt tokens, all cached on worker 2
+    w1, w2 = pool.workers
     try:
-        pool.workers[1].prefix.insert(hashes)
-        picks = []
-        for _ in range(4):
-            pick = pool.pick(hashes)
-            assert pick is not None
-            picks.append((pick.worker.target, pick.matched_tokens))
-            pool.acquire(pick.worker, hashes)
-        # worker 2 holds the prefix: it wins while its score is within 2 of worker 1's (0, 1, 2),
-        # then worker 1 takes one (and from then on holds the prefix too).
-        assert picks == [("127.0.0.1:2", 64)] * 3 + [("127.0.0.1:1", 0)]
-        other = pool.pick(block_hashes(list(range(100, 164)), 16))
+        w2.prefix.insert(hashes)
+        pick = pool.pick(hashes, prompt_tokens=64)
+        assert pick is not None and (pick.worker, pick.matched_tokens) == (w2, 64)
+        # Worker 2 holds 48 tokens of KV (cost 0 + 48) < worker 1 computing 64: still worker 2.
+        w2.load = report(0, 1, used_blocks=3)
+        assert (p := pool.pick(hashes, prompt_tokens=64)) is not None and p.worker is w2
+        # 80 tokens held: more than the prefix saves; the idle worker gets the request.
+        w2.load = report(0, 1, used_blocks=5)
+        p = pool.pick(hashes, prompt_tokens=64)
+        assert p is not None and (p.worker, p.matched_tokens) == (w1, 0)
+        # Requests sent since the last report count a prompt's worth each.
+        w2.load = report(0, 0)
+        pool.acquire(w2, hashes)
+        pool.acquire(w2, hashes)
+        assert (p := pool.pick(hashes, prompt_tokens=64)) is not None and p.worker is w1
+        other = pool.pick(block_hashes(list(range(100, 164)), 16), prompt_tokens=64)
         assert other is not None and other.matched_tokens == 0
+    finally:
+        await pool.close()
+
+
+async def test_a_shared_system_prompt_spreads_over_a_new_worker() -> None:
+    """Chat requests share the template's system prompt: the busy worker that cached it keeps
+    requests only while the prefix saves more than the work it holds; a new worker gets its share."""
+    pool = await make_pool("prefix_aware", [(0, 0)])
+    old = pool.workers[0]
+    system = list(range(48))  # 3 shared blocks, then each request's own text
+    prompts = [[*system, *range(1000 + 40 * i, 1040 + 40 * i)] for i in range(16)]
+    try:
+        for p in prompts[:8]:  # the old worker serves 8 long-running streams
+            pool.acquire(old, block_hashes(p, 16))
+        old.load, old.sent_since_report = report(0, 8, used_blocks=8 * 6), 0
+        new = pool.add("127.0.0.1:9")  # registered; its first report says it serves
+        new.healthy, new.load = True, report(0, 0)
+        got = []
+        for p in prompts[8:]:
+            pick = pool.pick(block_hashes(p, 16), prompt_tokens=len(p))
+            assert pick is not None
+            pool.acquire(pick.worker, block_hashes(p, 16))
+            got.append(pick.worker.target)
+        assert got.count(new.target) >= 4, got
     finally:
         await pool.close()
 
@@ -83,11 +114,9 @@ async def test_prefix_aware_keeps_a_prefix_on_its_worker_until_it_is_busier_by_t
 async def test_unhealthy_workers_are_skipped_and_saturation_counts_healthy_ones_only() -> None:
     pool = await make_pool("least_loaded", [(0, 0), (5, 0)])
     try:
-        down = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
-                                    grpc.aio.Metadata(), details="connection refused")
+        down = WorkerError("127.0.0.1:1", "unavailable", "UNAVAILABLE: connection refused", down=True)
         assert is_down(down)
-        assert not is_down(grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(),
-                                                grpc.aio.Metadata(), details="bad"))
+        assert not is_down(WorkerError("127.0.0.1:1", "invalid", "INVALID_ARGUMENT: bad"))
         pool.workers[0].prefix.insert([1, 2, 3])
         pool.mark_failed(pool.workers[0], down)
         assert not pool.workers[0].healthy and len(pool.workers[0].prefix) == 0
@@ -194,5 +223,38 @@ async def test_finished_requests_do_not_inflate_the_estimate_while_reports_are_l
         assert w.sent_since_report == 500 and w.waiting == 0 and not pool.saturated(max_waiting=64)
         pool.acquire(w)
         assert w.waiting == 1 and pool.saturated(max_waiting=1)
+    finally:
+        await pool.close()
+
+
+async def test_a_worker_that_says_it_does_not_serve_is_unhealthy_and_its_calls_are_told() -> None:
+    told: list[tuple[str, str]] = []
+
+    def on_unhealthy(w: WorkerState, why: str) -> None:
+        told.append((w.target, why))
+
+    pool = WorkerPool("decode", ["127.0.0.1:1"], on_unhealthy=on_unhealthy)
+    w = pool.workers[0]
+    answer = [report(0, 0, instance="a")]
+
+    async def load() -> pb.LoadReport:
+        return answer[0]
+
+    w.client.load = load  # type: ignore[method-assign]
+    try:
+        await pool.refresh()
+        assert w.healthy and w.instance == "a"
+        w.prefix.insert([1, 2])
+        answer[0] = pb.LoadReport(serving=False, not_serving_reason="engine core silent for 3.2 s",
+                                  instance_id="a")
+        await pool.refresh()
+        assert not w.healthy and told == [(w.target, "not serving: engine core silent for 3.2 s")]
+        answer[0] = report(0, 0, instance="a")
+        await pool.refresh()
+        assert w.healthy and len(told) == 1
+        w.prefix.insert([1, 2])
+        answer[0] = report(0, 0, instance="b")  # restarted between two reports
+        await pool.refresh()
+        assert w.healthy and w.instance == "b" and len(w.prefix) == 0
     finally:
         await pool.close()

@@ -1,0 +1,41 @@
+"""The router's one configuration (frozen, validated at start)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.router.dispatch import DispatchOptions
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str  # the served model name clients send
+    tokenizer: str  # folder or hub id of the model's tokenizer
+    max_model_len: int = 4096
+    dispatch: DispatchOptions = field(default_factory=lambda: DispatchOptions(decode=("127.0.0.1:50061",)))
+    api_key: str | None = None  # when set, /v1/* needs `Authorization: Bearer <api_key>`
+    max_waiting: int = 64  # admission: 429 once every healthy worker of a pool has this many queued
+    max_inflight: int = 4096  # admission: 429 beyond this many requests in the router
+    retry_after_s: int = 1
+    # The edge (services/router/edge.py): bodies over max_body_bytes get 413; a request's headers
+    # must arrive within header_timeout_s of its first byte and its body within body_timeout_s of
+    # its headers, else 408 and the connection closes.
+    max_body_bytes: int = 8 * 2**20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    # Tokenization and chat templates of prompts over inline_chars characters run in a pool of
+    # tokenizer_threads threads (the tokenizer releases the GIL), not on the event loop.
+    tokenizer_threads: int = 2
+    inline_chars: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
+        if self.max_waiting < 1 or self.max_inflight < 1 or self.retry_after_s < 1:
+            raise ValueError("max_waiting, max_inflight and retry_after_s must be at least 1")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes: must be at least 1024, got {self.max_body_bytes}")
+        if self.header_timeout_s <= 0 or self.body_timeout_s <= 0:
+            raise ValueError("header_timeout_s and body_timeout_s must be positive")
+        if self.tokenizer_threads < 1 or self.inline_chars < 0:
+            raise ValueError("tokenizer_threads must be >= 1 and inline_chars >= 0")

@@ -1,0 +1,159 @@
+"""The router's edge: what reaches the app, and how long a client may take to send it.
+
+- `BodyLimit` (ASGI middleware): a body over `max_bytes` gets 413 in OpenAI's error format (by
+  its Content-Length before anything is read, or as soon as a chunked body passes the limit),
+  and the connection closes; the app never sees more than `max_bytes`.
+- `GuardedProtocol` (uvicorn's httptools protocol): a request's headers must be complete within
+  `header_timeout_s` of its first byte (a new connection: of connecting), and its body within
+  `body_timeout_s` of its headers; else 408 and the connection closes. Idle keep-alive
+  connections close after uvicorn's keep-alive timeout. Slow-loris clients hold nothing long.
+- `serve(app, config, host, port)`: uvicorn on a socket bound here, exclusively (a taken port is a
+  PortInUseError naming it and the router, before anything starts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from services.procs import PortInUseError, port_in_use_message
+from services.router.config import RouterConfig
+from services.router.openai_models import error_body
+
+
+class BodyLimit:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            await self._too_large(send)
+            return
+        state = {"received": 0, "exceeded": False, "started": False}
+
+        async def limited() -> Message:
+            if state["exceeded"]:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                state["received"] += len(message.get("body", b""))
+                if state["received"] > self.max_bytes:
+                    state["exceeded"] = True  # the app sees a client that left
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        await self.app(scope, limited, tracked)
+        if state["exceeded"] and not state["started"]:
+            await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        body = json.dumps(error_body(f"request body larger than {self.max_bytes} bytes",
+                                     "invalid_request_error", None, "request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+_TIMEOUT_BODY = json.dumps(error_body("request not received in time", "invalid_request_error", None,
+                                      "request_timeout")).encode()
+_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                     b"connection: close\r\ncontent-length: " + str(len(_TIMEOUT_BODY)).encode()
+                     + b"\r\n\r\n" + _TIMEOUT_BODY)
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """See the module docstring; `protocol_class(config)` sets the timeouts."""
+
+    header_timeout_s = 10.0
+    body_timeout_s = 30.0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.header_timeout_s)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._read_timer is None:
+            self._arm(self.header_timeout_s)
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._arm(self.body_timeout_s)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._read_timer = self.loop.call_later(seconds, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._read_timer is not None:
+            self._read_timer.cancel()
+            self._read_timer = None
+
+    def _timed_out(self) -> None:
+        self._read_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or not self.cycle.response_started:
+            self.transport.write(_TIMEOUT_RESPONSE)
+        self.transport.close()
+
+
+def protocol_class(config: RouterConfig) -> type[GuardedProtocol]:
+    return type("RouterProtocol", (GuardedProtocol,), {"header_timeout_s": config.header_timeout_s,
+                                                       "body_timeout_s": config.body_timeout_s})
+
+
+def uvicorn_config(app: ASGIApp, config: RouterConfig, log_level: str = "warning",
+                   **kwargs: Any) -> uvicorn.Config:
+    return uvicorn.Config(app, http=protocol_class(config), log_level=log_level, lifespan="on", **kwargs)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that no one else listens on (no SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise PortInUseError(port_in_use_message(host, port, "router")) from None
+    sock.setblocking(False)
+    return sock
+
+
+def serve(app: ASGIApp, config: RouterConfig, host: str, port: int, log_level: str = "warning") -> None:
+    """Runs the router until SIGINT / SIGTERM (uvicorn's handling)."""
+    sock = bind(host, port)
+    server = uvicorn.Server(uvicorn_config(app, config, log_level))
+    server.run(sockets=[sock])

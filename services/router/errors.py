@@ -1,0 +1,39 @@
+"""OpenAI error responses of the router, and what a failed worker call becomes for a client."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+from services.router.dispatch import NoWorkerError
+from services.router.openai_models import error_body
+from services.worker.client import WorkerError
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+    def body(self) -> dict[str, object]:
+        type_ = {401: "authentication_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(
+            self.status, "invalid_request_error" if self.status < 500 else "server_error")
+        return error_body(self.message, type_, self.param, self.code)
+
+
+def from_dispatch(error: WorkerError | NoWorkerError, retry_after_s: int) -> OpenAIError:
+    """A worker call's failure as the client sees it: 400 for a request the worker refused, 504
+    for a timeout, else 503 (retry later)."""
+    if isinstance(error, NoWorkerError):
+        return OpenAIError(503, f"{error}; retry later", code="worker_unavailable",
+                           headers={"Retry-After": str(retry_after_s)})
+    if error.kind == "invalid":
+        return OpenAIError(400, error.message.split(": ", 1)[-1])
+    if error.kind == "timeout":
+        return OpenAIError(504, "the worker timed out", code="timeout")
+    return OpenAIError(503, f"worker unavailable: {error.message}", code="worker_unavailable",
+                       headers={"Retry-After": str(retry_after_s)})

@@ -1,0 +1,238 @@
+"""What the router does with one request between parsing and rendering: admission, tokenization
+(off the event loop for long prompts), sampling parameters, and the text deltas of its samples.
+
+    gen = Generator(config, tokenizer, dispatcher, metrics)
+    admission = gen.admit()                       # 429 / 503 before any work
+    ids = await gen.tokenize(messages, "messages")
+    async for delta in gen.run(request_id, ids, params, n, stops): ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from collections.abc import AsyncGenerator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, decode_token
+from engine.output_processor import find_stop_string
+from engine.processor import Processor, child_request_id
+from engine.sampling_params import SamplingParams
+from services.router.config import RouterConfig
+from services.router.dispatch import Dispatcher
+from services.router.errors import OpenAIError
+from services.router.metrics import RouterMetrics
+from services.worker.client import PositionLogprobs
+
+Prompt = str | list[int] | list[dict[str, Any]]
+
+
+@dataclass
+class Delta:
+    """New output of one sample; the last one has finish_reason set. One with neither tokens nor
+    finish_reason (`accepted`) only says a worker has the sample and is computing its prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs]
+    finish_reason: str | None
+    completion_tokens: int
+    cached_tokens: int
+    text_offset: int = 0  # characters of this sample's token strings before this delta's tokens
+    top_n: int = 0  # top logprobs asked for per position
+
+    @property
+    def accepted(self) -> bool:
+        return not self.token_ids and not self.finish_reason
+
+
+class Admission:
+    """One admitted request's hold on the router's in-flight count; `release` is idempotent."""
+
+    def __init__(self, gen: Generator) -> None:
+        self.gen = gen
+        self.released = False
+        gen.inflight += 1
+        gen.metrics.running.inc()
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.gen.inflight -= 1
+            self.gen.metrics.running.dec()
+
+    async def release_async(self) -> None:
+        """`release` for Starlette's BackgroundTask, which runs a sync function in a worker thread."""
+        self.release()
+
+
+class Generator:
+    """Tokenizes a request, runs its samples, turns their token ids into text deltas."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any, dispatcher: Dispatcher,
+                 metrics: RouterMetrics) -> None:
+        engine = EngineConfig(model=config.tokenizer, max_model_len=config.max_model_len)
+        self.processor = Processor(engine, tokenizer)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.inflight = 0
+        # A text longer than this many characters cannot fit max_model_len tokens: no token
+        # decodes to more characters than its longest vocabulary string.
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = config.max_model_len * max(longest, 1)
+        # Each pool thread tokenizes with a tokenizer of its own (no state shared across threads).
+        local = threading.local()
+
+        def own_processor() -> None:
+            local.processor = Processor(engine, copy.deepcopy(tokenizer))
+
+        self._local = local
+        self._pool = ThreadPoolExecutor(config.tokenizer_threads, thread_name_prefix="tokenize",
+                                        initializer=own_processor)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def admit(self) -> Admission:
+        """Admission control, before any work: 429 (with Retry-After) when the router holds
+        `max_inflight` requests or every healthy worker of a pool has `max_waiting` queued; 503 when
+        no decode worker is healthy (no healthy prefill worker is fine: decode computes prompts)."""
+        cfg = self.config
+        retry = {"Retry-After": str(cfg.retry_after_s)}
+        if not self.dispatcher.decode.healthy:
+            self.metrics.rejected.labels("no_healthy_worker").inc()
+            raise OpenAIError(503, f"no healthy {self.dispatcher.decode.role} worker; retry later",
+                              code="worker_unavailable", headers=retry)
+        if self.inflight >= cfg.max_inflight:
+            self.metrics.rejected.labels("router_full").inc()
+            raise OpenAIError(429, f"the router already serves {self.inflight} requests "
+                                   f"(max_inflight={cfg.max_inflight}); retry later",
+                              code="rate_limit_exceeded", headers=retry)
+        for pool in self.dispatcher.pools:
+            if pool.saturated(cfg.max_waiting):
+                self.metrics.rejected.labels(f"{pool.role}_queue_full").inc()
+                raise OpenAIError(429, f"every {pool.role} worker has {cfg.max_waiting} or more queued "
+                                       f"requests; retry later", code="rate_limit_exceeded", headers=retry)
+        return Admission(self)
+
+    async def tokenize(self, prompt: Prompt, param: str) -> list[int]:
+        """The prompt's token ids (chat template applied). Long prompts are tokenized in the pool;
+        any error on user text is a 400 naming `param`, never a 500."""
+        chars = _chars(prompt)
+        if chars > self.max_prompt_chars:
+            raise OpenAIError(400, f"{param}: {chars} characters cannot fit in max_model_len="
+                                   f"{self.config.max_model_len} tokens", param)
+        try:
+            if chars <= self.config.inline_chars:
+                return self.processor.preprocess(prompt)[1]
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._pooled, prompt)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param) from e
+        except Exception as e:  # the tokenizer or template refused the text (a lone surrogate...)
+            raise OpenAIError(400, f"{param}: cannot be tokenized: {type(e).__name__}: {e}"[:500],
+                              param) from e
+
+    def _pooled(self, prompt: Prompt) -> list[int]:
+        return list(self._local.processor.preprocess(prompt)[1])
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
+        """A token-id prompt whose items pydantic already checked are ints: length and range only."""
+        try:
+            return self.processor.check_token_ids(token_ids)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param) from e
+
+    def params(self, prompt_len: int, max_tokens: int | None, fields: dict[str, Any],
+               logprobs: int | None) -> SamplingParams:
+        """One sample's SamplingParams; the engine's own checks become 400s naming the field."""
+        room = self.processor.max_model_len - prompt_len
+        if max_tokens is not None and max_tokens > room:
+            raise OpenAIError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceed "
+                                   f"max_model_len={self.processor.max_model_len}", "max_tokens")
+        try:
+            return SamplingParams(**fields, logprobs=logprobs,
+                                  max_tokens=room if max_tokens is None else max_tokens)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), str(e).split(" ", 1)[0]) from e
+
+    async def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
+                  stops: list[str]) -> AsyncGenerator[Delta, None]:
+        """The deltas of all `n` samples, interleaved as they come."""
+        if n == 1:
+            async with aclosing(self._sample(request_id, 0, prompt_ids, params, stops)) as sample:
+                async for delta in sample:
+                    yield delta
+            return
+        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for delta in self._sample(child_request_id(request_id, i), i, prompt_ids,
+                                                 params.for_child(i), stops):
+                    queue.put_nowait(delta)
+                queue.put_nowait(None)
+            except Exception as e:
+                queue.put_nowait(e)
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+        try:
+            for _ in range(n):
+                while (item := await queue.get()) is not None:
+                    if isinstance(item, BaseException):
+                        raise item
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _sample(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
+                      stops: list[str]) -> AsyncGenerator[Delta, None]:
+        detok = IncrementalDetokenizer(self.tokenizer)
+        hold_back = max((len(s) for s in stops), default=1) - 1
+        text, sent, num_tokens, token_chars = "", 0, 0, 0
+        start = last = time.perf_counter()
+        async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params)) as steps:
+            async for step in steps:
+                if step.accepted:  # a worker has the sample: nothing to say yet
+                    yield Delta(index, "", [], [], None, num_tokens, 0)
+                    continue
+                now = time.perf_counter()
+                if step.token_ids:
+                    (self.metrics.ttft if num_tokens == 0 else self.metrics.itl).observe(now - last)
+                    last = now
+                num_tokens += len(step.token_ids)
+                checked = len(text)
+                text += detok.update(step.token_ids, finished=bool(step.finish_reason))
+                finish = step.finish_reason or None
+                match = find_stop_string(text, checked, stops, include_stop_str=False)
+                if match is not None:
+                    text, finish = text[:match[1]], "stop"
+                end = len(text) if finish else max(sent, len(text) - hold_back)
+                if finish:
+                    self.metrics.e2e.observe(now - start)
+                    self.metrics.success.labels(self.config.model, finish).inc()
+                    self.metrics.generation_tokens.inc(num_tokens)
+                yield Delta(index, text[sent:end], step.token_ids, step.logprobs, finish, num_tokens,
+                            step.cached_tokens, token_chars, params.logprobs or 0)
+                if step.logprobs:  # completions' logprobs.text_offset continues from here
+                    token_chars += sum(len(decode_token(self.tokenizer, t)) for t in step.token_ids)
+                sent = end
+                if finish:
+                    return  # leaving the loop early cancels the decode call
+
+
+def _chars(prompt: Prompt) -> int:
+    """Characters of a text prompt or of chat messages' contents (0 for token ids)."""
+    if isinstance(prompt, str):
+        return len(prompt)
+    return sum(len(str(m.get("content") or "")) for m in prompt if isinstance(m, dict))

@@ -1,0 +1,172 @@
+"""OpenAI response bodies and SSE streams from a request's deltas (completions and chat).
+
+    reply = Reply(gen, model, request_id, prompt_len, n, chat=True, include_usage=False)
+    return await respond(reply, deltas, stream=True, admission=admission)
+
+Errors before the first delta are HTTP statuses; errors after a streamed response started are an
+error event followed by `[DONE]`, as vLLM's server does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from engine.detokenizer import decode_token
+from services.router.dispatch import NoWorkerError
+from services.router.errors import from_dispatch
+from services.router.generation import Admission, Delta, Generator
+from services.router.hot_path import SSEResponse
+from services.router.openai_models import completion_body, error_body, usage_body
+from services.worker.client import Logprob, WorkerError
+
+
+@dataclass(frozen=True)
+class Reply:
+    """What every chunk of one response shares."""
+
+    gen: Generator
+    model: str
+    request_id: str
+    prompt_len: int
+    n: int
+    chat: bool
+    include_usage: bool
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, chunk: bool
+             ) -> dict[str, Any]:
+        return completion_body(self.request_id, self.model, choices, usage, chunk=chunk, chat=self.chat)
+
+
+async def respond(reply: Reply, deltas: AsyncGenerator[Delta, None], stream: bool,
+                  admission: Admission) -> JSONResponse | StreamingResponse:
+    """The response: an SSE stream (which then owns the admission) or one JSON body."""
+    streaming = False  # once the stream owns the admission, it releases it
+    retry = reply.gen.config.retry_after_s
+    try:
+        try:
+            first = await anext(deltas)
+        except (WorkerError, NoWorkerError) as e:
+            await deltas.aclose()
+            raise from_dispatch(e, retry) from e
+        if stream:
+            streaming = True
+            return SSEResponse(_stream(reply, first, deltas, admission), media_type="text/event-stream",
+                               background=BackgroundTask(admission.release_async))
+        try:
+            async with aclosing(deltas):
+                collected = [d for d in [first] + [d async for d in deltas] if not d.accepted]
+        except (WorkerError, NoWorkerError) as e:
+            raise from_dispatch(e, retry) from e
+        return JSONResponse(_full_body(reply, collected))
+    finally:
+        if not streaming:
+            admission.release()
+
+
+async def _stream(reply: Reply, first: Delta, deltas: AsyncGenerator[Delta, None],
+                  admission: Admission) -> AsyncIterator[str]:
+    try:
+        async for chunk in _stream_chunks(reply, first, deltas):
+            yield chunk
+    finally:
+        admission.release()
+
+
+async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delta, None]
+                         ) -> AsyncIterator[str]:
+    finals: dict[int, Delta] = {}
+    started: set[int] = set()
+    try:
+        async with aclosing(deltas):
+            delta: Delta | None = first
+            while delta is not None:
+                if delta.accepted:
+                    delta = await anext(deltas, None)
+                    continue
+                role_event = ""  # a sample's first chat event names the role; it leaves with the text
+                if reply.chat and delta.index not in started:
+                    started.add(delta.index)
+                    role = {"index": delta.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}
+                    role_event = _sse(reply.body([role], None, chunk=True))
+                if delta.finish_reason:
+                    finals[delta.index] = delta
+                choice = _choice(reply, delta, stream=True)
+                yield role_event + _sse(reply.body([choice], None, chunk=True))
+                delta = await anext(deltas, None)
+    except (WorkerError, NoWorkerError) as e:
+        error = from_dispatch(e, reply.gen.config.retry_after_s)
+        yield _sse(error_body(error.message, "server_error", None, error.code))
+    if reply.include_usage:
+        yield _sse(reply.body([], _usage(reply.prompt_len, finals.values()), chunk=True))
+    yield "data: [DONE]\n\n"
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def _full_body(reply: Reply, deltas: Sequence[Delta]) -> dict[str, Any]:
+    choices = []
+    for i in range(reply.n):
+        mine = [d for d in deltas if d.index == i]
+        merged = Delta(i, "".join(d.text for d in mine), [t for d in mine for t in d.token_ids],
+                       [lp for d in mine for lp in d.logprobs], mine[-1].finish_reason,
+                       mine[-1].completion_tokens, mine[0].cached_tokens, mine[0].text_offset,
+                       mine[0].top_n)
+        choices.append(_choice(reply, merged, stream=False))
+    finals = [d for d in deltas if d.finish_reason]
+    return reply.body(choices, _usage(reply.prompt_len, finals), chunk=False)
+
+
+def _usage(prompt_len: int, finals: Any) -> dict[str, Any]:
+    finals = list(finals)
+    return usage_body(prompt_len, sum(d.completion_tokens for d in finals),
+                      max((d.cached_tokens for d in finals), default=0))
+
+
+def _choice(reply: Reply, delta: Delta, stream: bool) -> dict[str, Any]:
+    logprobs = _logprobs(reply, delta) if delta.logprobs else None
+    if not reply.chat:
+        return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+    key, content = ("delta", {"content": delta.text}) if stream else (
+        "message", {"role": "assistant", "content": delta.text})
+    return {"index": delta.index, key: content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+
+
+def _top(candidates: list[Logprob], n: int, with_sampled: bool) -> list[Logprob]:
+    """The top `n` candidates by rank. The worker sends the sampled token first, then the top n
+    without repeating it. Completions (`with_sampled`) also list the sampled token when it is
+    outside the top n, as OpenAI and vLLM do (up to logprobs + 1 entries); chat lists exactly n."""
+    top = sorted((c for c in candidates if 1 <= c.rank <= n), key=lambda c: c.rank)
+    if with_sampled and candidates and candidates[0].rank > n:
+        top.append(candidates[0])
+    return top
+
+
+def _logprobs(reply: Reply, delta: Delta) -> dict[str, Any]:
+    """OpenAI logprobs of the delta's tokens; the first candidate of each position is the sampled token."""
+    tok = reply.gen.tokenizer
+    positions = [(decode_token(tok, tid), pos)
+                 for tid, pos in zip(delta.token_ids, delta.logprobs, strict=False)]
+    sampled = [pos[0].logprob if pos else 0.0 for _, pos in positions]
+    tops = [[(decode_token(tok, c.token_id), c.logprob) for c in _top(pos, delta.top_n, not reply.chat)]
+            for _, pos in positions]
+    if reply.chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
+                                              for s, v in top]}
+                            for (t, _), lp, top in zip(positions, sampled, tops, strict=True)]}
+    return {"tokens": [t for t, _ in positions], "token_logprobs": sampled,
+            "top_logprobs": [dict(top) for top in tops],
+            "text_offset": list(itertools.accumulate((len(t) for t, _ in positions[:-1]),
+                                                     initial=delta.text_offset)) if positions else []}
