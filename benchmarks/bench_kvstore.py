@@ -33,6 +33,7 @@ if __package__ in (None, ""):
 import numpy as np
 
 from benchmarks.common import markdown_table, median, percentile
+from services.procs import free_port
 
 MB = 1_000_000
 LAYER_SHAPE = (256, 2, 192)  # tokens, K/V, kv_heads * head_dim of SmolLM2-135M
@@ -46,12 +47,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes-mb", default="1,8,64")
     p.add_argument("--skip-redis", action="store_true")
     return p.parse_args(argv)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --- systems: put(items) / get(keys) over (key, metadata, payload) -------------------------

@@ -136,6 +136,17 @@ def _add_worker(subparsers: Any) -> None:
                    help="on SIGTERM, how long in-flight calls may finish")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    g = p.add_argument_group("health (the engine core is watched; see docs/operations.md)")
+    g.add_argument("--heartbeat-s", type=float, default=1.0,
+                   help="a Decode stream with nothing new gets an empty chunk this often")
+    g.add_argument("--core-unready-s", type=float, default=3.0,
+                   help="engine core silent this long: NOT_SERVING (no new requests) until it speaks")
+    g.add_argument("--core-silence-s", type=float, default=10.0,
+                   help="engine core silent this long: killed and restarted")
+    g.add_argument("--step-timeout-s", type=float, default=300.0,
+                   help="one engine step running this long: the core is killed and restarted")
+    g.add_argument("--max-engine-restarts", type=int, default=3,
+                   help="engine core restarts allowed in 10 minutes; past that the worker exits 1")
     _add_engine_args(p)
     p.set_defaults(func=_run_worker)
 
@@ -158,13 +169,21 @@ def worker_engine_config(args: argparse.Namespace) -> Any:
 def _run_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from services.procs import PortInUseError
+    from services.worker.engine_guard import GuardOptions
     from services.worker.server import WorkerOptions, serve
 
     engine = worker_engine_config(args)
     port = args.port if args.port is not None else (50051 if args.role == "prefill" else 50061)
-    asyncio.run(serve(WorkerOptions(role=args.role, engine=engine, host=args.host, port=port,
-                                    grace_s=args.grace_s, metrics_port=args.metrics_port)))
-    return 0
+    guard = GuardOptions(unready_after_s=args.core_unready_s, silence_s=args.core_silence_s,
+                         step_timeout_s=args.step_timeout_s, max_restarts=args.max_engine_restarts)
+    options = WorkerOptions(role=args.role, engine=engine, host=args.host, port=port, grace_s=args.grace_s,
+                            metrics_port=args.metrics_port, heartbeat_s=args.heartbeat_s, guard=guard)
+    try:
+        return asyncio.run(serve(options))
+    except PortInUseError as e:
+        print(f"pdserve worker: {e}", file=sys.stderr)
+        return 1
 
 
 def _add_router(subparsers: Any) -> None:
@@ -190,24 +209,41 @@ def _add_router(subparsers: Any) -> None:
     p.add_argument("--max-inflight", type=int, default=4096, help="429 beyond this many requests")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+    p.add_argument("--stall-timeout-s", type=float, default=5.0,
+                   help="a decode stream with no token and no worker heartbeat this long moves to "
+                        "another worker")
+    p.add_argument("--max-migrations", type=int, default=3, help="moves allowed per sample")
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger bodies get 413")
+    p.add_argument("--header-timeout-s", type=float, default=10.0,
+                   help="a request's headers must arrive within this (else 408)")
+    p.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request's body must arrive within this after its headers (else 408)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run_router)
 
 
 def _run_router(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from services.procs import PortInUseError
     from services.router.app import RouterConfig, create_app
     from services.router.dispatch import DispatchOptions
+    from services.router.edge import bind, serve
 
     dispatch = DispatchOptions(prefill=tuple(args.prefill), decode=tuple(args.decode),
                                prefill_timeout_s=args.prefill_timeout_s,
                                decode_timeout_s=args.decode_timeout_s, prefill_policy=args.policy,
-                               decode_policy=args.policy, local_prefill_tokens=args.local_prefill_tokens)
+                               decode_policy=args.policy, local_prefill_tokens=args.local_prefill_tokens,
+                               stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations)
     config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
                           max_model_len=args.max_model_len, dispatch=dispatch, api_key=args.api_key,
-                          max_waiting=args.max_waiting, max_inflight=args.max_inflight)
-    uvicorn.run(create_app(config), host=args.host, port=args.port, log_level=args.log_level.lower())
+                          max_waiting=args.max_waiting, max_inflight=args.max_inflight,
+                          max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
+                          body_timeout_s=args.body_timeout_s)
+    try:
+        bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads
+        serve(create_app(config), config, args.host, args.port, log_level=args.log_level.lower())
+    except PortInUseError as e:
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

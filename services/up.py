@@ -1,9 +1,14 @@
 """`pdserve up`: the whole system as local processes — the KV store (memory backend), prefill
-workers, decode workers and the router — started in order, each waited for until healthy;
-prints where to send requests; Ctrl-C (or SIGTERM) stops everything. `--colocated` runs
-workers that prefill and decode themselves behind the same router, for comparison.
+workers, decode workers and the router — started in order, each waited for until it serves;
+prints where to send requests. A component that exits while the system runs is restarted
+(services/supervisor.py: backoff, a restart budget, each restart logged) and rejoins its pool;
+only Ctrl-C (or SIGTERM) stops everything. `--colocated` runs workers that prefill and decode
+themselves behind the same router, for comparison.
 
     pdserve up [--model M] [--prefill 1] [--decode 1] [--port 8000] [--colocated]
+
+Every port is checked before anything starts: one that is taken is a one-line error naming the
+port and the component, and the exit code is 1.
 """
 
 from __future__ import annotations
@@ -11,15 +16,16 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
+from pathlib import Path
 from typing import Any
 
 from engine.config import DEFAULT_MODEL
+from services.procs import PortInUseError, check_ports_free
+from services.readiness import router_ready, store_ready, worker_ready
+from services.supervisor import ChildSpec, FatalChildError, RestartPolicy, Supervisor
 
 
 def add_up_parser(subparsers: Any) -> None:
@@ -59,55 +65,18 @@ def add_up_parser(subparsers: Any) -> None:
                    help="prompts with at most this many uncached tokens skip the prefill pool")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+    p.add_argument("--stall-timeout-s", type=float, default=None,
+                   help="router: a decode stream silent this long moves to another worker "
+                        "(default: the router's)")
+    p.add_argument("--restart-budget", type=int, default=5,
+                   help="restarts of one component allowed within --restart-window-s")
+    p.add_argument("--restart-window-s", type=float, default=300.0)
+    p.add_argument("--state-file", type=Path, default=None,
+                   help="keep a JSON file of the components (name, pid, port, state, restarts)")
     from services.autoscaler.local import add_autoscale_args
 
     add_autoscale_args(p)
     p.set_defaults(func=run_up)
-
-
-class Launcher:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None,
-              cpus: set[int] | None = None) -> None:
-        def setup() -> None:
-            _die_with_parent()
-            if cpus:
-                os.sched_setaffinity(0, cpus)  # children (the engine core) inherit it
-
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", *argv], preexec_fn=setup, env=env)
-        self.procs.append((name, proc))
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{name} exited with code {proc.returncode}")
-
-    def wait(self, name: str, ready: Any, deadline: float) -> None:
-        while not ready():
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name} not healthy after {self.args.startup_timeout_s} s")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        """Stops the router first (no new requests), then the workers (they drain), then the
-        store; each bounded in time."""
-        groups = [[p for n, p in self.procs if n == "router"],
-                  [p for n, p in self.procs if n not in ("router", "kvstore")],
-                  [p for n, p in self.procs if n == "kvstore"]]
-        for group in groups:
-            for proc in group:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in group:
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
 
 
 def parse_cpus(text: str | None) -> set[int] | None:
@@ -141,40 +110,86 @@ def _metrics_args(args: argparse.Namespace, grpc_port: int) -> list[str]:
     return ["--metrics-port", str(grpc_port + args.metrics_port_offset)] if args.metrics_port_offset else []
 
 
-def _die_with_parent() -> None:
-    """Linux: a child gets SIGTERM when the launcher dies, even by SIGKILL (no orphans)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _port_open(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.5)
-        return s.connect_ex((host, port)) == 0
+def _worker_args(args: argparse.Namespace, folder: str, store: str) -> list[str]:
+    out = ["--kv-store-url", store, "--model", folder]
+    for flag, value in (("--num-threads", args.num_threads), ("--kv-cache-gib", args.kv_cache_gib),
+                        ("--max-model-len", args.max_model_len)):
+        if value is not None:
+            out += [flag, str(value)]
+    return out
 
 
-def _grpc_serving(target: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+def _ports(args: argparse.Namespace) -> dict[int, str]:
+    """Every port `up` will listen on, with its component."""
+    role = "colocated" if args.colocated else "decode"
+    named = [(args.port, "router")]
+    if not args.colocated:
+        named.append((args.kvstore_port, "kvstore"))
+        named += [(args.prefill_port + i, f"prefill-{i}") for i in range(args.prefill)]
+    named += [(args.decode_port + i, f"{role}-{i}") for i in range(args.decode)]
+    if args.metrics_port_offset:
+        workers = [(p + args.metrics_port_offset, f"{n} metrics") for p, n in named[1:] if n != "kvstore"]
+        bad = [p for p, _ in workers if not 1 <= p <= 65535]
+        if bad:
+            raise ValueError(f"--metrics-port-offset {args.metrics_port_offset} puts worker metrics on "
+                             f"invalid ports {bad}; choose another offset or 0 (off)")
+        named += workers
+    ports: dict[int, str] = {}
+    for port, name in named:
+        if port in ports:
+            raise ValueError(f"{name} and {ports[port]} would share port {port}: choose other ports")
+        ports[port] = name
+    return ports
 
-    try:
-        with grpc.insecure_channel(target) as channel:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-    except grpc.RpcError:
-        return False
+
+def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], ChildSpec]:
+    """The store and workers (in start order), and the router."""
+    h = args.host
+    store = f"grpc://{h}:{args.kvstore_port}"
+    common = _worker_args(args, folder, store)
+    specs = []
+    if not args.colocated:
+        specs.append(ChildSpec("kvstore", "kvstore", ["kvstore", "--host", h, "--port",
+                                                       str(args.kvstore_port), "--capacity",
+                                                       args.kvstore_capacity, "--log-level", "WARNING"],
+                               store_ready(store), target=f"{h}:{args.kvstore_port}",
+                               cpus=_frozen(parse_cpus(args.kvstore_cpus))))
+        for i in range(args.prefill):
+            port = args.prefill_port + i
+            specs.append(_worker_spec(args, f"prefill-{i}", "prefill", port, common + _prefill_args(args),
+                                      parse_cpus(args.prefill_cpus)))
+    role = "colocated" if args.colocated else "decode"
+    for i in range(args.decode):
+        specs.append(_worker_spec(args, f"{role}-{i}", role, args.decode_port + i, common,
+                                  parse_cpus(args.decode_cpus)))
+    router = ["router", "--model", args.model, "--tokenizer", folder, "--host", h,
+              "--port", str(args.port), "--policy", args.policy,
+              "--local-prefill-tokens", str(args.local_prefill_tokens)]
+    for spec in specs:
+        if spec.kind != "kvstore":
+            router += [f"--{'decode' if spec.kind == 'colocated' else spec.kind}", spec.target]
+    if args.max_model_len is not None:
+        router += ["--max-model-len", str(args.max_model_len)]
+    if args.stall_timeout_s is not None:
+        router += ["--stall-timeout-s", str(args.stall_timeout_s)]
+    # The API key goes by environment, not argv (ps shows argv).
+    env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None
+    router_spec = ChildSpec("router", "router", router, router_ready(f"http://{h}:{args.port}"),
+                            target=f"{h}:{args.port}", env=env, cpus=_frozen(parse_cpus(args.router_cpus)),
+                            critical=True)
+    return specs, router_spec
 
 
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as resp:
-            return bool(resp.status == 200)
-    except OSError:
-        return False
+def _worker_spec(args: argparse.Namespace, name: str, role: str, port: int, extra: list[str],
+                 cpus: set[int] | None) -> ChildSpec:
+    target = f"{args.host}:{port}"
+    argv = ["worker", "--role", role, "--host", args.host, "--port", str(port),
+            *_metrics_args(args, port), *extra]
+    return ChildSpec(name, role, argv, worker_ready(target), target=target, cpus=_frozen(cpus))
+
+
+def _frozen(cpus: set[int] | None) -> frozenset[int] | None:
+    return frozenset(cpus) if cpus else None
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -182,91 +197,69 @@ def run_up(args: argparse.Namespace) -> int:
 
     for text in (args.prefill_cpus, args.decode_cpus, args.kvstore_cpus, args.router_cpus):
         parse_cpus(text)  # bad lists fail before anything starts
-    if args.metrics_port_offset:
-        ports = [args.prefill_port + i for i in range(0 if args.colocated else args.prefill)]
-        ports += [args.decode_port + i for i in range(args.decode)]
-        bad = [p + args.metrics_port_offset for p in ports if not 1 <= p + args.metrics_port_offset <= 65535]
-        if bad:
-            raise ValueError(f"--metrics-port-offset {args.metrics_port_offset} puts worker metrics on "
-                             f"invalid ports {bad}; choose another offset or 0 (off)")
+    try:
+        check_ports_free(args.host, _ports(args))
+    except PortInUseError as e:
+        print(f"pdserve up: {e}; nothing was started", file=sys.stderr)
+        return 1
     # Resolve (and, the first time, convert) the model once, not once per worker.
     folder = str(resolve_model_path(args.model))
-    launcher = Launcher(args)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    h = args.host
-    engine_args = ["--model", folder]
-    for flag, value in (("--num-threads", args.num_threads), ("--kv-cache-gib", args.kv_cache_gib),
-                        ("--max-model-len", args.max_model_len)):
-        if value is not None:
-            engine_args += [flag, str(value)]
-    store = f"grpc://{h}:{args.kvstore_port}"
+    sup = Supervisor(RestartPolicy(budget=args.restart_budget, window_s=args.restart_window_s),
+                     state_file=args.state_file)
+    specs, router = _specs(args, folder)
     scaler: Any = None
     deadline = time.monotonic() + args.startup_timeout_s
     try:
-        prefill, decode = [], []
-        if not args.colocated:
-            launcher.start("kvstore", ["kvstore", "--host", h, "--port", str(args.kvstore_port),
-                                       "--capacity", args.kvstore_capacity, "--log-level", "WARNING"],
-                           cpus=parse_cpus(args.kvstore_cpus))
-            launcher.wait("kvstore", lambda: _port_open(h, args.kvstore_port), deadline)
-            for i in range(args.prefill):
-                target = f"{h}:{args.prefill_port + i}"
-                launcher.start(f"prefill-{i}", ["worker", "--role", "prefill", "--host", h, "--port",
-                                                str(args.prefill_port + i), "--kv-store-url", store,
-                                                *_metrics_args(args, args.prefill_port + i),
-                                                *engine_args, *_prefill_args(args)],
-                               cpus=parse_cpus(args.prefill_cpus))
-                prefill.append(target)
-        role = "colocated" if args.colocated else "decode"
-        for i in range(args.decode):
-            target = f"{h}:{args.decode_port + i}"
-            launcher.start(f"{role}-{i}", ["worker", "--role", role, "--host", h, "--port",
-                                           str(args.decode_port + i), "--kv-store-url", store,
-                                           *_metrics_args(args, args.decode_port + i), *engine_args],
-                           cpus=parse_cpus(args.decode_cpus))
-            decode.append(target)
-        for target in prefill + decode:
-            launcher.wait(f"worker {target}", lambda t=target: _grpc_serving(t), deadline)
-        router = ["router", "--model", args.model, "--tokenizer", folder, "--host", h,
-                  "--port", str(args.port), "--policy", args.policy,
-                  "--local-prefill-tokens", str(args.local_prefill_tokens)]
-        for target in prefill:
-            router += ["--prefill", target]
-        for target in decode:
-            router += ["--decode", target]
-        if args.max_model_len is not None:
-            router += ["--max-model-len", str(args.max_model_len)]
-        env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None
-        # The API key goes by environment, not argv (ps shows argv).
-        launcher.start("router", router, env, cpus=parse_cpus(args.router_cpus))
-        launcher.wait("router", lambda: _http_ok(f"http://{h}:{args.port}/health"), deadline)
-        mode = "colocated" if args.colocated else f"{len(prefill)} prefill + {len(decode)} decode"
-        print(f"pdserve is up ({mode}, model {args.model}): OpenAI API at http://{h}:{args.port}/v1 "
-              f"- Ctrl-C stops everything", flush=True)
-        if args.metrics_port_offset:
-            ports = [int(t.rsplit(":", 1)[1]) + args.metrics_port_offset for t in prefill + decode]
-            print(f"metrics: http://{h}:{args.port}/metrics (router); worker /metrics on ports "
-                  f"{', '.join(map(str, ports))}", flush=True)
+        for spec in specs:
+            sup.start(spec)
+            if spec.kind == "kvstore":
+                sup.wait_ready(spec.name, deadline)  # workers connect to it as they start
+        for spec in specs:
+            sup.wait_ready(spec.name, deadline)
+        sup.start(router)
+        sup.wait_ready(router.name, deadline)
+        _print_up(args, specs)
         if args.autoscale:
-            from services.autoscaler.local import AutoscalerThread
-
-            worker_args = ["--kv-store-url", store, *engine_args]
-            cpus = {"prefill": parse_cpus(args.prefill_cpus), role: parse_cpus(args.decode_cpus)}
-            scaler = AutoscalerThread(args, f"http://{h}:{args.port}", worker_args, cpus, role,
-                                      role_args={"prefill": _prefill_args(args)})
-            scaler.start()
-            print(f"autoscaling: prefill {args.prefill}..{max(args.prefill, args.max_prefill)}, "
-                  f"{role} {args.decode}..{max(args.decode, args.max_decode)}, targets TTFT p90 "
-                  f"{args.ttft_ms:.0f} ms, ITL p90 {args.itl_ms:.0f} ms", flush=True)
+            scaler = _start_autoscaler(args, folder, sup)
         while not stop.wait(0.5):
-            launcher.check_alive()
+            sup.watch()
         return 0
-    except RuntimeError as exc:
+    except (RuntimeError, FatalChildError) as exc:
         print(f"pdserve up: {exc}", file=sys.stderr)
         return 1
     finally:
         if scaler is not None:
             scaler.stop()  # drains and stops the workers it started
-        launcher.stop()
+        # The router first (no new requests), then the workers (they drain), then the store.
+        sup.stop_all([["router"], ["prefill", "decode", "colocated"], ["kvstore"]])
+
+
+def _print_up(args: argparse.Namespace, specs: list[ChildSpec]) -> None:
+    h = args.host
+    workers = [s for s in specs if s.kind != "kvstore"]
+    count = {kind: sum(s.kind == kind for s in workers) for kind in ("prefill", "decode")}
+    mode = "colocated" if args.colocated else f"{count['prefill']} prefill + {count['decode']} decode"
+    print(f"pdserve is up ({mode}, model {args.model}): OpenAI API at http://{h}:{args.port}/v1 "
+          f"- Ctrl-C stops everything", flush=True)
+    if args.metrics_port_offset:
+        ports = [int(s.target.rsplit(":", 1)[1]) + args.metrics_port_offset for s in workers]
+        print(f"metrics: http://{h}:{args.port}/metrics (router); worker /metrics on ports "
+              f"{', '.join(map(str, ports))}", flush=True)
+
+
+def _start_autoscaler(args: argparse.Namespace, folder: str, sup: Supervisor) -> Any:
+    from services.autoscaler.local import AutoscalerThread
+
+    role = "colocated" if args.colocated else "decode"
+    worker_args = _worker_args(args, folder, f"grpc://{args.host}:{args.kvstore_port}")
+    cpus = {"prefill": parse_cpus(args.prefill_cpus), role: parse_cpus(args.decode_cpus)}
+    scaler = AutoscalerThread(args, f"http://{args.host}:{args.port}", worker_args, cpus, role,
+                              role_args={"prefill": _prefill_args(args)}, supervisor=sup)
+    scaler.start()
+    print(f"autoscaling: prefill {args.prefill}..{max(args.prefill, args.max_prefill)}, "
+          f"{role} {args.decode}..{max(args.decode, args.max_decode)}, targets TTFT p90 "
+          f"{args.ttft_ms:.0f} ms, ITL p90 {args.itl_ms:.0f} ms", flush=True)
+    return scaler

@@ -10,15 +10,13 @@ processes, Docker or Kubernetes can each implement it:
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+from services.procs import free_port
+from services.readiness import worker_ready
+from services.supervisor import ChildSpec, Supervisor
 from services.worker.client import WorkerClient
 
 
@@ -34,12 +32,6 @@ class Actuator(Protocol):
     def managed(self, role: str) -> list[str]:
         """The workers of `role` this actuator started and has not stopped."""
         ...
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 async def wait_serving(target: str, alive: Callable[[], bool], timeout_s: float) -> None:
@@ -58,65 +50,57 @@ async def wait_serving(target: str, alive: Callable[[], bool], timeout_s: float)
 
 
 class LocalProcessActuator:
-    """`pdserve worker --role R` child processes: `worker_args` are the engine and KV-store flags
-    every worker gets (model, threads, --kv-store-url ...), `role_args` those of one role
-    (e.g. the prefill workers' scheduling flags); `cpus` pins them per role."""
+    """`pdserve worker --role R` child processes on free ports: `worker_args` are the engine and
+    KV-store flags every worker gets (model, threads, --kv-store-url ...), `role_args` those of
+    one role (e.g. the prefill workers' scheduling flags); `cpus` pins them per role. They run
+    under `supervisor` (services/supervisor.py; `pdserve up` passes its own, so a worker the
+    autoscaler added is restarted like the others when it crashes)."""
 
     def __init__(self, worker_args: Sequence[str], host: str = "127.0.0.1",
                  cpus: dict[str, set[int] | None] | None = None, startup_timeout_s: float = 300.0,
                  stop_timeout_s: float = 60.0,
-                 role_args: Mapping[str, Sequence[str]] | None = None) -> None:
+                 role_args: Mapping[str, Sequence[str]] | None = None,
+                 supervisor: Supervisor | None = None) -> None:
         self.worker_args = list(worker_args)
         self.role_args = {role: list(a) for role, a in (role_args or {}).items()}
         self.host = host
         self.cpus = cpus or {}
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
-        self.procs: dict[str, tuple[str, subprocess.Popen[bytes]]] = {}  # target -> (role, process)
+        self.supervisor = supervisor or Supervisor()
+        self.started: dict[str, tuple[str, str]] = {}  # target -> (role, child name)
 
-    def command(self, role: str, port: int) -> list[str]:
-        return [sys.executable, "-m", "services.cli", "worker", "--role", role, "--host", self.host,
-                "--port", str(port), *self.worker_args, *self.role_args.get(role, [])]
+    def argv(self, role: str, port: int) -> list[str]:
+        """The `services.cli` arguments of a worker of `role` on `port`."""
+        return ["worker", "--role", role, "--host", self.host, "--port", str(port), *self.worker_args,
+                *self.role_args.get(role, [])]
 
     async def start(self, role: str) -> str:
         port = free_port(self.host)
         target = f"{self.host}:{port}"
         cpus = self.cpus.get(role)
-
-        def setup() -> None:
-            try:
-                import ctypes
-
-                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # die with us
-            except OSError:
-                pass
-            if cpus:
-                os.sched_setaffinity(0, cpus)
-
-        proc = subprocess.Popen(self.command(role, port), preexec_fn=setup)
-        self.procs[target] = (role, proc)
+        name = f"{role}-auto-{port}"
+        self.supervisor.start(ChildSpec(name, role, self.argv(role, port), worker_ready(target),
+                                        target=target, cpus=frozenset(cpus) if cpus else None))
+        self.started[target] = (role, name)
         try:
-            await wait_serving(target, lambda: proc.poll() is None, self.startup_timeout_s)
+            await asyncio.to_thread(self.supervisor.wait_ready, name,
+                                    time.monotonic() + self.startup_timeout_s)
         except BaseException:
             await self.stop(role, target)
             raise
         return target
 
     async def stop(self, role: str, target: str) -> None:
-        entry = self.procs.pop(target, None)
-        if entry is None:
-            return
-        proc = entry[1]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)  # the worker drains what it still has, then exits
-            try:
-                await asyncio.to_thread(proc.wait, self.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                await asyncio.to_thread(proc.wait, 10)
+        entry = self.started.pop(target, None)
+        if entry is not None:  # SIGTERM: the worker drains what it still has, then exits
+            await asyncio.to_thread(self.supervisor.stop, entry[1], self.stop_timeout_s)
 
     def managed(self, role: str) -> list[str]:
-        return [t for t, (r, p) in self.procs.items() if r == role and p.poll() is None]
+        """Started and not stopped: running, or about to be restarted by the supervisor."""
+        states = {c.spec.name: c.state for c in self.supervisor.children(role)}
+        return [t for t, (r, name) in self.started.items()
+                if r == role and states.get(name) in ("starting", "running", "backoff")]
 
     async def close(self) -> None:
-        await asyncio.gather(*(self.stop(r, t) for t, (r, _) in list(self.procs.items())))
+        await asyncio.gather(*(self.stop(r, t) for t, (r, _) in list(self.started.items())))

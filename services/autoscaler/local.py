@@ -69,13 +69,13 @@ class AutoscalerThread:
 
     def __init__(self, args: argparse.Namespace, router_url: str, worker_args: list[str],
                  cpus: dict[str, Any], decode_role: str,
-                 role_args: dict[str, list[str]] | None = None) -> None:
+                 role_args: dict[str, list[str]] | None = None, supervisor: Any = None) -> None:
         self.config = planner_config(args)
         self.options = AutoscalerOptions(interval_s=args.autoscale_interval_s, log_path=args.autoscale_log,
                                          decode_role=decode_role)
         self.router_url, self.api_key = router_url, args.api_key
         self.actuator = LocalProcessActuator(worker_args, host=args.host, cpus=cpus,
-                                             role_args=role_args)
+                                             role_args=role_args, supervisor=supervisor)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()

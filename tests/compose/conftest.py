@@ -17,7 +17,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.compose.stack import IMAGES, ComposeStack, compose, free_port
+from services.procs import free_port
+from tests.compose.stack import IMAGES, ComposeStack, compose
 
 UP_TIMEOUT_S = 600
 DOWN_TIMEOUT_S = 120

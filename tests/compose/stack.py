@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,8 +41,4 @@ def compose(project: str, env: dict[str, str], args: list[str], timeout_s: float
     return done
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 

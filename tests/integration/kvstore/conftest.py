@@ -4,7 +4,6 @@ at the end of the session. Tests that need an empty server use `redis_url` (flus
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -12,14 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from services.procs import free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 START_TIMEOUT_S = 15.0
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _answers_ping(port: int) -> bool:
@@ -57,7 +52,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     workdir = tmp_path_factory.mktemp("redis")
     for _attempt in range(3):  # the free port may be taken between the probe and the bind
-        port = _free_port()
+        port = free_port()
         proc = _start(port, workdir)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline and proc.poll() is None and not _answers_ping(port):

@@ -34,6 +34,7 @@ from kvstore.lm_protocol import (
 )
 from kvstore.lm_server import LMServer
 from kvstore.lmcache_format import MemoryFormat, RemoteMetadata
+from services.procs import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 LMCACHE_BIN = REPO / ".peers" / "lmcache" / "bin"
@@ -55,12 +56,6 @@ def _run_lmcache(script: str, args: Sequence[str], request: dict) -> dict:
                           check=False)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _accepts(port: int) -> bool:
@@ -132,7 +127,7 @@ def lmcache_server() -> Iterator[int]:
     """Port of a real `lmcache_server 127.0.0.1 PORT` (LMCache's in-memory lm:// server)."""
     _needs_lmcache()
     for _attempt in range(3):
-        port = _free_port()
+        port = free_port()
         proc = subprocess.Popen([str(LMCACHE_BIN / "lmcache_server"), "127.0.0.1", str(port)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + START_TIMEOUT_S

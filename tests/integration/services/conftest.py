@@ -11,6 +11,7 @@ import pytest_asyncio
 
 from engine.config import EngineConfig
 from kvstore.service import KVStoreService, StoreOptions
+from services.procs import free_port
 from services.worker.server import ROLES, WorkerOptions, WorkerRole, WorkerServer
 
 
@@ -21,7 +22,7 @@ def engine_config(model_dir: Path, kv_store_url: str) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def store() -> Iterator[KVStoreService]:
-    with KVStoreService(StoreOptions(capacity="256MiB", port=0)) as service:
+    with KVStoreService(StoreOptions(capacity="256MiB", port=free_port())) as service:
         yield service
 
 
@@ -39,7 +40,7 @@ def start_worker(model_dir: Path, store: KVStoreService) -> StartWorker:
 
     async def start(role: WorkerRole) -> WorkerServer:
         config = engine_config(model_dir, kv_store_url=store.location)
-        server = WorkerServer(WorkerOptions(role=role, engine=config, grace_s=5.0))
+        server = WorkerServer(WorkerOptions(role=role, engine=config, grace_s=5.0, port=free_port()))
         await server.start()
         return server
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,20 +12,10 @@ import time
 from pathlib import Path
 
 from protos import worker_pb2 as pb
+from services.procs import free_ports
 from services.worker.client import WorkerClient
 
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports free right now (bound together, then released)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [int(s.getsockname()[1]) for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class PdserveUp:

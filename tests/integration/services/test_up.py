@@ -13,17 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from services.procs import free_ports
+
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])

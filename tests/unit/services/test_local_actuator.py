@@ -4,8 +4,6 @@ prefill workers only."""
 
 from __future__ import annotations
 
-import sys
-
 from services.autoscaler.actuators import LocalProcessActuator
 from services.cli import build_parser
 from services.up import _prefill_args
@@ -13,11 +11,11 @@ from services.up import _prefill_args
 
 def test_role_flags_go_to_that_role_only() -> None:
     act = LocalProcessActuator(["--model", "m"], role_args={"prefill": ["--scheduling-policy", "fcfs"]})
-    base = [sys.executable, "-m", "services.cli", "worker", "--role"]
-    assert act.command("prefill", 5) == [*base, "prefill", "--host", "127.0.0.1", "--port", "5",
-                                         "--model", "m", "--scheduling-policy", "fcfs"]
-    assert act.command("decode", 6) == [*base, "decode", "--host", "127.0.0.1", "--port", "6",
-                                        "--model", "m"]
+    base = ["worker", "--role"]
+    assert act.argv("prefill", 5) == [*base, "prefill", "--host", "127.0.0.1", "--port", "5",
+                                      "--model", "m", "--scheduling-policy", "fcfs"]
+    assert act.argv("decode", 6) == [*base, "decode", "--host", "127.0.0.1", "--port", "6",
+                                     "--model", "m"]
 
 
 def test_up_prefill_flags_become_worker_flags() -> None:

@@ -1,0 +1,101 @@
+"""Local child processes and ports: what `pdserve up`, its supervisor and the local autoscaler
+actuator share.
+
+- `spawn(argv)`: a `python -m services.cli ...` child that gets SIGTERM when its parent dies
+  (PR_SET_PDEATHSIG: no orphans, even when the parent is SIGKILLed), optionally pinned to CPUs,
+  with a fresh instance id in PDSERVE_INSTANCE_ID. Every component reports that id (a worker's
+  Load report, the router's /health, the KV store's health action), so a readiness check knows
+  it reached the process just started and not another one on the same port.
+- `check_ports_free({port: "decode worker 0"})`: a one-line error naming the first port in use.
+- `free_port()`: a free loopback port below 32768, outside Linux's ephemeral range.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Mapping
+
+from kvstore.ports import PortInUseError, port_free, port_in_use_message
+
+INSTANCE_ENV = "PDSERVE_INSTANCE_ID"
+PORT_RANGE = (20000, 32767)  # below the ephemeral range (32768..60999 on Linux)
+
+
+__all__ = ["INSTANCE_ENV", "PortInUseError", "check_ports_free", "describe_exit", "free_port",
+           "free_ports", "instance_id", "new_instance_id", "port_free", "port_in_use_message", "spawn"]
+
+
+def instance_id() -> str:
+    """This process's instance id: the one its launcher gave it, else a new one (kept)."""
+    value = os.environ.get(INSTANCE_ENV)
+    if not value:
+        value = uuid.uuid4().hex
+        os.environ[INSTANCE_ENV] = value
+    return value
+
+
+def new_instance_id() -> str:
+    return uuid.uuid4().hex
+
+
+def spawn(argv: list[str], env: Mapping[str, str] | None = None, cpus: set[int] | None = None,
+          instance: str | None = None, **popen: object) -> subprocess.Popen[bytes]:
+    """Starts `python -m services.cli *argv` (see the module docstring)."""
+    child_env = dict(os.environ if env is None else env)
+    child_env[INSTANCE_ENV] = instance or new_instance_id()
+
+    def setup() -> None:
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)  # its children (the engine core) inherit it
+
+    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], preexec_fn=setup,
+                            env=child_env, **popen)  # type: ignore[call-overload]
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def check_ports_free(host: str, ports: Mapping[int, str]) -> None:
+    """Raises PortInUseError naming the first port (and its component) that is taken."""
+    for port, component in ports.items():
+        if not port_free(host, port):
+            raise PortInUseError(port_in_use_message(host, port, component))
+
+
+def free_port(host: str = "127.0.0.1", exclude: set[int] | None = None) -> int:
+    """A port nothing listens on, in PORT_RANGE (tests and the local actuator use these)."""
+    for _ in range(1000):
+        port = random.randint(*PORT_RANGE)
+        if (exclude is None or port not in exclude) and port_free(host, port):
+            return port
+    raise RuntimeError(f"no free port in {PORT_RANGE} on {host}")
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports."""
+    ports: set[int] = set()
+    while len(ports) < n:
+        ports.add(free_port(host, exclude=ports))
+    return list(ports)
+
+
+def describe_exit(code: int) -> str:
+    """"code 1", or "signal SIGKILL" for a negative Popen return code."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"code {code}"
