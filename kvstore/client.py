@@ -68,9 +68,13 @@ class StoreStats:
 
 
 class KVStoreClient:
+    """`timeout_s` bounds every call. With `breaker_s`, a store that was unreachable or timed out
+    is not asked again for that long: calls fail at once (KVStoreClientError), so a KV connector
+    facing a dead or frozen store recomputes instead of waiting on every call."""
+
     def __init__(self, location: str = DEFAULT_LOCATION, timeout_s: float = 30.0,
                  streams: int = 4, parallel_bytes: int = 2 * 2**20,
-                 split_put_bytes: int = 16 * 2**20, use_shm: bool = True) -> None:
+                 split_put_bytes: int = 16 * 2**20, use_shm: bool = True, breaker_s: float = 0.0) -> None:
         if "://" not in location:
             location = f"grpc://{location}"
         if streams < 1 or parallel_bytes < 1 or split_put_bytes < 1:
@@ -89,6 +93,9 @@ class KVStoreClient:
         self._shm_dir: str | None = None
         self._shm_checked = False
         self._shm_retry_at = 0.0  # after a failure: Flight only until then
+        self.breaker_s = breaker_s
+        self._down_until = 0.0  # the breaker is open until then
+        self._down_reason = ""
 
     # --- connection -------------------------------------------------------------------
     def _conn(self) -> flight.FlightClient:
@@ -101,22 +108,33 @@ class KVStoreClient:
 
     def _call(self, op: str, fn: Callable[[flight.FlightClient], T]) -> T:
         """Runs `fn`; on a broken connection reconnects once and retries."""
+        left = self._down_until - time.monotonic()
+        if left > 0:
+            raise KVStoreClientError(f"{op}: KV store at {self.location} unavailable (not asked again "
+                                     f"for {left:.1f} s after: {self._down_reason})")
         for attempt in (0, 1):
             try:
                 return fn(self._conn())
             except flight.FlightUnavailableError as exc:
                 self._reset_connections()
                 if attempt == 1:
-                    raise KVStoreClientError(f"{op}: KV store at {self.location} unavailable: "
-                                             f"{exc}") from exc
+                    raise self._trip(f"{op}: KV store at {self.location} unavailable: {exc}") from exc
                 logger.info("%s: reconnecting to %s", op, self.location)
             except flight.FlightTimedOutError as exc:
-                raise KVStoreClientError(f"{op}: timed out after {self.timeout_s} s") from exc
+                self._reset_connections()  # a frozen server holds the connection: start over
+                raise self._trip(f"{op}: timed out after {self.timeout_s} s") from exc
             except pa.ArrowInvalid as exc:
                 raise KVStoreRejectedError(f"{op}: {_server_message(exc)}") from exc
             except (flight.FlightServerError, flight.FlightInternalError) as exc:
                 raise KVStoreClientError(f"{op}: {_server_message(exc)}") from exc
         raise AssertionError("unreachable")
+
+    def _trip(self, message: str) -> KVStoreClientError:
+        if self.breaker_s > 0:
+            self._down_until = time.monotonic() + self.breaker_s
+            self._down_reason = message
+            logger.warning("%s; not asking the store again for %.0f s", message, self.breaker_s)
+        return KVStoreClientError(message)
 
     def close(self) -> None:
         self._reset_connections()

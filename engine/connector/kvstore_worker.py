@@ -2,7 +2,9 @@
 
 Saves: after each layer's forward, the new prompt chunks of that layer are copied out of the
 paged cache (one small gather) and queued for a background sender, so sending overlaps the
-next layers' compute; `wait_for_save` at the end of the step waits for that step's objects.
+next layers' compute; `wait_for_save` at the end of the step waits for that step's objects
+(at most `save_wait_s`: a slow or frozen store does not hold the step; what is still unsent then
+goes on in the background, and a consumer that does not find it recomputes).
 Objects are LMCache KV_T2D tensors `[tokens, 2, kv_heads * head_dim]` under
 `LayerCacheEngineKey` strings with `RemoteMetadata` headers.
 Loads: a background loader fetches a request's chunks layer by layer and writes them into the
@@ -102,8 +104,9 @@ class WorkerTimings:
 
 class KVStoreConnectorWorker(KVConnectorWorker):
     def __init__(self, make_client: Callable[[], Any], chunk_size: int,
-                 stream_layers: bool = True) -> None:
+                 stream_layers: bool = True, save_wait_s: float | None = None) -> None:
         self.chunk_size = chunk_size
+        self.save_wait_s = save_wait_s  # None: wait for every save
         # False: hold a step's objects and send them all after the last layer (whole-request
         # transfer, for comparison); True: send each layer while the next ones compute.
         self.stream_layers = stream_layers
@@ -184,7 +187,9 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             self._enqueue(held)
         with self._sent:
             busy = self._unsent > 0
-            self._sent.wait_for(lambda: self._unsent == 0)
+            done = self._sent.wait_for(lambda: self._unsent == 0, timeout=self.save_wait_s)
+        if not done:  # a slow or frozen store: the step goes on, the sends too
+            logger.warning("KV saves still under way after %.1f s; the step goes on", self.save_wait_s)
         if busy:
             self.timings.save_waits.append(time.perf_counter() - start)
 
