@@ -1,7 +1,8 @@
 """Local child processes and ports: what `pdserve up`, its supervisor and the local autoscaler
 actuator share.
 
-- `spawn(argv)`: a `python -m services.cli ...` child that gets SIGTERM when its parent dies
+- `spawn(argv)`: a child (`cli("worker", ...)` is `python -m services.cli worker ...`) that gets
+  SIGTERM when its parent dies
   (PR_SET_PDEATHSIG: no orphans, even when the parent is SIGKILLed), optionally pinned to CPUs,
   with a fresh instance id in PDSERVE_INSTANCE_ID. Every component reports that id (a worker's
   Load report, the router's /health, the KV store's health action), so a readiness check knows
@@ -26,7 +27,7 @@ INSTANCE_ENV = "PDSERVE_INSTANCE_ID"
 PORT_RANGE = (20000, 32767)  # below the ephemeral range (32768..60999 on Linux)
 
 
-__all__ = ["INSTANCE_ENV", "PortInUseError", "check_ports_free", "describe_exit", "free_port",
+__all__ = ["INSTANCE_ENV", "PortInUseError", "check_ports_free", "cli", "describe_exit", "free_port",
            "free_ports", "instance_id", "new_instance_id", "port_free", "port_in_use_message", "spawn"]
 
 
@@ -43,9 +44,14 @@ def new_instance_id() -> str:
     return uuid.uuid4().hex
 
 
+def cli(*args: str) -> list[str]:
+    """The command line of `pdserve *args` run by this interpreter."""
+    return [sys.executable, "-m", "services.cli", *args]
+
+
 def spawn(argv: list[str], env: Mapping[str, str] | None = None, cpus: set[int] | None = None,
           instance: str | None = None, **popen: object) -> subprocess.Popen[bytes]:
-    """Starts `python -m services.cli *argv` (see the module docstring)."""
+    """Starts `argv` (see the module docstring)."""
     child_env = dict(os.environ if env is None else env)
     child_env[INSTANCE_ENV] = instance or new_instance_id()
 
@@ -54,8 +60,7 @@ def spawn(argv: list[str], env: Mapping[str, str] | None = None, cpus: set[int] 
         if cpus:
             os.sched_setaffinity(0, cpus)  # its children (the engine core) inherit it
 
-    return subprocess.Popen([sys.executable, "-m", "services.cli", *argv], preexec_fn=setup,
-                            env=child_env, **popen)  # type: ignore[call-overload]
+    return subprocess.Popen(argv, preexec_fn=setup, env=child_env, **popen)  # type: ignore[call-overload]
 
 
 def _die_with_parent() -> None:

@@ -60,7 +60,7 @@ class ChildSpec:
 
     name: str  # "decode-0"
     kind: str  # "kvstore", "prefill", "decode", "colocated", "router"
-    argv: Sequence[str]  # arguments of `python -m services.cli`
+    argv: Sequence[str]  # the command line (services.procs.cli(...) for a pdserve component)
     ready: Callable[[str], bool]
     target: str = ""  # host:port it serves on
     env: Mapping[str, str] | None = None

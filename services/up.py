@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import DEFAULT_MODEL
-from services.procs import PortInUseError, check_ports_free
+from services.procs import PortInUseError, check_ports_free, cli
 from services.readiness import router_ready, store_ready, worker_ready
 from services.supervisor import ChildSpec, FatalChildError, RestartPolicy, Supervisor
 
@@ -149,9 +149,9 @@ def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], Chil
     common = _worker_args(args, folder, store)
     specs = []
     if not args.colocated:
-        specs.append(ChildSpec("kvstore", "kvstore", ["kvstore", "--host", h, "--port",
-                                                       str(args.kvstore_port), "--capacity",
-                                                       args.kvstore_capacity, "--log-level", "WARNING"],
+        specs.append(ChildSpec("kvstore", "kvstore", cli("kvstore", "--host", h, "--port",
+                                                         str(args.kvstore_port), "--capacity",
+                                                         args.kvstore_capacity, "--log-level", "WARNING"),
                                store_ready(store), target=f"{h}:{args.kvstore_port}",
                                cpus=_frozen(parse_cpus(args.kvstore_cpus))))
         for i in range(args.prefill):
@@ -174,7 +174,7 @@ def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], Chil
         router += ["--stall-timeout-s", str(args.stall_timeout_s)]
     # The API key goes by environment, not argv (ps shows argv).
     env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None
-    router_spec = ChildSpec("router", "router", router, router_ready(f"http://{h}:{args.port}"),
+    router_spec = ChildSpec("router", "router", cli(*router), router_ready(f"http://{h}:{args.port}"),
                             target=f"{h}:{args.port}", env=env, cpus=_frozen(parse_cpus(args.router_cpus)),
                             critical=True)
     return specs, router_spec
@@ -183,8 +183,8 @@ def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], Chil
 def _worker_spec(args: argparse.Namespace, name: str, role: str, port: int, extra: list[str],
                  cpus: set[int] | None) -> ChildSpec:
     target = f"{args.host}:{port}"
-    argv = ["worker", "--role", role, "--host", args.host, "--port", str(port),
-            *_metrics_args(args, port), *extra]
+    argv = cli("worker", "--role", role, "--host", args.host, "--port", str(port),
+               *_metrics_args(args, port), *extra)
     return ChildSpec(name, role, argv, worker_ready(target), target=target, cpus=_frozen(cpus))
 
 

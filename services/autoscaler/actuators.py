@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from services.procs import free_port
+from services.procs import cli, free_port
 from services.readiness import worker_ready
 from services.supervisor import ChildSpec, Supervisor
 from services.worker.client import WorkerClient
@@ -80,7 +80,7 @@ class LocalProcessActuator:
         target = f"{self.host}:{port}"
         cpus = self.cpus.get(role)
         name = f"{role}-auto-{port}"
-        self.supervisor.start(ChildSpec(name, role, self.argv(role, port), worker_ready(target),
+        self.supervisor.start(ChildSpec(name, role, cli(*self.argv(role, port)), worker_ready(target),
                                         target=target, cpus=frozenset(cpus) if cpus else None))
         self.started[target] = (role, name)
         try:

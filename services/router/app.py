@@ -193,9 +193,11 @@ def _check_model(config: RouterConfig, model: str) -> None:
 
 
 def _is_union_tag(part: object) -> bool:
-    """Pydantic names the union member tried in an error's location (`str`, `list[int]`): not a field."""
+    """Pydantic names the union member tried in an error's location (`str`, `list[int]`,
+    `constrained-str`): not a field (field names are identifiers)."""
     text = str(part)
-    return isinstance(part, str) and ("[" in text or text in _TYPE_TAGS or text[:1].isupper())
+    return isinstance(part, str) and ("[" in text or "-" in text or text in _TYPE_TAGS
+                                      or text[:1].isupper())
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}

@@ -1,8 +1,10 @@
 """The router's edge: what reaches the app, and how long a client may take to send it.
 
 - `BodyLimit` (ASGI middleware): a body over `max_bytes` gets 413 in OpenAI's error format (by
-  its Content-Length before anything is read, or as soon as a chunked body passes the limit),
-  and the connection closes; the app never sees more than `max_bytes`.
+  its Content-Length before anything is read, or as soon as a chunked body passes the limit);
+  the app never sees more than `max_bytes`. The rest of the body is read and dropped by the
+  server (closing at once would reset the connection under a client still sending, and it
+  would never read its 413), within the body timeout.
 - `GuardedProtocol` (uvicorn's httptools protocol): a request's headers must be complete within
   `header_timeout_s` of its first byte (a new connection: of connecting), and its body within
   `body_timeout_s` of its headers; else 408 and the connection closes. Idle keep-alive
@@ -66,7 +68,7 @@ class BodyLimit:
         body = json.dumps(error_body(f"request body larger than {self.max_bytes} bytes",
                                      "invalid_request_error", None, "request_too_large")).encode()
         await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"connection", b"close"),
+                    "headers": [(b"content-type", b"application/json"),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 

@@ -226,3 +226,36 @@ async def test_workers_join_and_leave_by_draining_without_failing_a_request(
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "role"
             bad = await http.post(admin, json={"role": "colocated", "target": "no port"})
             assert bad.status_code == 400
+
+
+@in_module_loop
+async def test_a_new_worker_takes_its_share_of_a_shared_system_prompt_chat_load_within_seconds(
+        workers: dict[str, WorkerServer], second_colocated: WorkerServer, model_dir: Path) -> None:
+    """Every chat request starts with the same system prompt (and the template's tokens): cached
+    on the worker that served them. A worker registered under that load (prefix_aware, the
+    default) still gets a fair share of the next requests, from its first load report on."""
+    a, b = workers["colocated"].target, second_colocated.target
+    system = {"role": "system", "content": "You are a helpful assistant. " + LONG}
+    with ServedRouter(config(model_dir, DispatchOptions(decode=(a,)))) as served:
+        admin = f"{served.url}/admin/workers"
+        served_by: list[str] = []
+        async with httpx.AsyncClient(timeout=30) as http, \
+                openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0, timeout=60) as c:
+
+            async def user(u: int, n: int) -> None:
+                for i in range(n):
+                    out = await c.chat.completions.create(
+                        model=MODEL, messages=[system, {"role": "user", "content": f"User {u} asks {i}"}],
+                        max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+                    assert out.choices[0].finish_reason == "length"
+
+            await asyncio.gather(*(user(u, 2) for u in range(4)))  # a's cache holds the prefix
+            registered = asyncio.get_running_loop().time()
+            assert (await http.post(admin, json={"role": "colocated", "target": b})).status_code == 200
+            before = {w["target"]: w["dispatched"] for w in (await http.get(admin)).json()["workers"]}
+            await asyncio.gather(*(user(u, 4) for u in range(4)))  # 16 requests, 4 at a time
+            took = asyncio.get_running_loop().time() - registered
+            after = {w["target"]: w["dispatched"] for w in (await http.get(admin)).json()["workers"]}
+            served_by = [f"{t}: {after[t] - before.get(t, 0)}" for t in (a, b)]
+            assert after[b] - before.get(b, 0) >= 4, served_by  # a fair share is 8 of 16
+            assert took < 60
