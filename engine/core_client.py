@@ -41,6 +41,7 @@ from engine.serial import (
     GET_STATS,
     HEARTBEAT,
     OUTPUTS,
+    POLL_MS,
     READY,
     SHUTDOWN,
     STATS,
@@ -51,7 +52,6 @@ from engine.serial import (
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 100
 STARTUP_TIMEOUT_S = 900.0
 
 
@@ -259,7 +259,7 @@ class MPClient(EngineCoreClient):
     def _wait_ready(self, timeout_s: float) -> ReadyInfo:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._output.poll(_POLL_MS):
+            if self._output.poll(POLL_MS):
                 kind, payload = self._codec.decode(self._output.recv_multipart())
                 if kind == READY:
                     return payload
@@ -282,7 +282,7 @@ class MPClient(EngineCoreClient):
 
     def _read_outputs(self) -> None:
         while not self._closing.is_set():
-            if self._output.poll(_POLL_MS):
+            if self._output.poll(POLL_MS):
                 kind, payload = self._codec.decode(self._output.recv_multipart())
                 self._heard = time.monotonic()
                 if kind == HEARTBEAT:

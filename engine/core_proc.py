@@ -32,6 +32,7 @@ from engine.serial import (
     HEARTBEAT,
     HEARTBEAT_S,
     OUTPUTS,
+    POLL_MS,
     READY,
     SHUTDOWN,
     STATS,
@@ -42,7 +43,6 @@ from engine.serial import (
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 200
 
 
 def run_engine_core(config_bytes: bytes, input_address: str, output_address: str) -> None:
@@ -152,7 +152,7 @@ class EngineCoreProc:
     def _read_inputs(self) -> None:
         parent = multiprocessing.parent_process()
         while not self._stop.is_set():
-            if self._input_socket.poll(_POLL_MS):
+            if self._input_socket.poll(POLL_MS):
                 frames = self._input_socket.recv_multipart(copy=False)
                 self._inputs.put(self.codec.decode([f.bytes for f in frames]))
             elif parent is not None and not parent.is_alive():

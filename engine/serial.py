@@ -31,6 +31,7 @@ OUTPUTS = b"outputs"
 STATS = b"stats"
 HEARTBEAT = b"heartbeat"
 HEARTBEAT_S = 0.5
+POLL_MS = 100  # how long a socket reader waits for a message before checking on the other side
 
 
 @dataclass

@@ -64,7 +64,8 @@ class EngineGuard:
 
     @property
     def serving(self) -> bool:
-        return self.engine is not None and not self.reason
+        """The engine takes requests (a dead one does not, even before the next check)."""
+        return self.engine is not None and not self.reason and not self.engine.errored
 
     def core_alive(self, within_s: float) -> bool:
         """Whether the engine core was heard from within `within_s` (an in-process core: always)."""

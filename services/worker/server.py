@@ -61,6 +61,7 @@ _KV_ROLES: dict[str, Literal["kv_producer", "kv_consumer"]] = {
 _PROTO_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
 T = TypeVar("T")
 LOAD_WAIT_S = 0.2  # how long Load waits for a fresh snapshot before answering with the last one
+FIRST_LOAD_WAIT_S = 5.0
 SCRAPE_STATS_TIMEOUT_S = 5.0
 
 
@@ -201,8 +202,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         core answers between steps, so a long step (a 2k-token prefill on CPU) would delay the
         report by up to a step: after LOAD_WAIT_S the last snapshot is returned instead, and the
         fresh one, when it comes, replaces it. Never fails: a worker whose engine is down says so."""
-        report = pb.LoadReport(role=_PROTO_ROLES[self.role], serving=self.guard.serving,
-                               not_serving_reason=self.guard.reason, instance_id=self.instance_id)
+        serving = self.guard.serving
+        why = "" if serving else self.guard.reason or "the engine core died"
+        report = pb.LoadReport(role=_PROTO_ROLES[self.role], serving=serving, not_serving_reason=why,
+                               instance_id=self.instance_id)
         stats = await self._snapshot()
         if stats is not None:
             report.MergeFrom(pb.LoadReport(
@@ -222,8 +225,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self._stats_task is None or self._stats_task.done():
             self._stats_task = asyncio.ensure_future(engine.get_stats())
             self._stats_task.add_done_callback(lambda task: self._keep_stats(engine, task))
-        try:
-            return await asyncio.wait_for(asyncio.shield(self._stats_task), LOAD_WAIT_S)
+        try:  # the first snapshot of an engine is waited for longer: there is none to fall back on
+            return await asyncio.wait_for(asyncio.shield(self._stats_task),
+                                          LOAD_WAIT_S if self._stats is not None else FIRST_LOAD_WAIT_S)
         except TimeoutError:
             return self._stats
         except EngineDeadError:
@@ -256,8 +260,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
         engine = self.guard.engine
-        if engine is None or not self.guard.serving or engine.errored:
-            why = self.guard.reason or "the engine died"
+        if engine is None or not self.guard.serving:
+            why = self.guard.reason or "the engine core died"
             await _fail(context, grpc.StatusCode.UNAVAILABLE, f"not serving: {why}")
         return engine
 
