@@ -127,10 +127,17 @@ class AsyncLLM:
         return await self.engine_core.get_stats_async()
 
     def shutdown(self) -> None:
-        """Stops the output handler and the core (its process, when it has one)."""
+        """Stops the output handler and the core (its process, when it has one). Call it from
+        the event loop's thread, or with no loop running; `close()` is the async form."""
         if self._output_handler is not None and not self._output_handler.done():
             self._output_handler.cancel()
         self.engine_core.shutdown()
+
+    async def close(self) -> None:
+        """`shutdown` from a coroutine: the core's blocking shutdown runs in a thread."""
+        if self._output_handler is not None and not self._output_handler.done():
+            self._output_handler.cancel()
+        await asyncio.to_thread(self.engine_core.shutdown)
 
     def _ensure_output_handler(self) -> None:
         if self._output_handler is None or self._output_handler.done():

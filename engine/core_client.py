@@ -53,6 +53,7 @@ from engine.serial import (
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 900.0
+STATS_TIMEOUT_S = 30.0
 
 
 class EngineDeadError(RuntimeError):
@@ -219,15 +220,24 @@ class MPClient(EngineCoreClient):
         return self._take(self._outputs, self._outputs.get())
 
     def get_stats(self) -> EngineStats:
+        """A stats snapshot; TimeoutError when the core sends none within STATS_TIMEOUT_S (a
+        frozen core), EngineDeadError once it is dead or shut down (a waiting caller too)."""
         self._send(GET_STATS, None)
-        return self._take(self._stats, self._stats.get())
+        try:
+            item = self._stats.get(timeout=STATS_TIMEOUT_S)
+        except queue.Empty:
+            raise TimeoutError(f"the engine core sent no stats in {STATS_TIMEOUT_S:.0f} s") from None
+        return self._take(self._stats, item)
 
     def shutdown(self) -> None:
-        """Asks the child to stop, then terminates it if needed; closes sockets, removes files."""
+        """Asks the child to stop, then terminates it if needed; closes sockets, removes files.
+        Anyone still waiting for outputs or stats gets EngineDeadError."""
         if self._closed:
             return
         self._closed = True
         self._closing.set()
+        if self._dead is None:
+            self._notify(EngineDeadError("the engine core client is shut down"))
         if self.proc.is_alive():
             try:
                 with self._send_lock:
@@ -307,9 +317,12 @@ class MPClient(EngineCoreClient):
 
     def _die(self, message: str) -> None:
         logger.error(message)
-        self._dead = EngineDeadError(message)
-        self._stats.put(self._dead)
-        self._deliver(self._outputs, self._dead)
+        self._notify(EngineDeadError(message))
+
+    def _notify(self, dead: EngineDeadError) -> None:
+        self._dead = dead
+        self._stats.put(dead)
+        self._deliver(self._outputs, dead)
 
     def _deliver(self, q: queue.Queue[Any], item: Any) -> None:
         q.put(item)

@@ -143,12 +143,12 @@ class KVStoreClient:
             self._executor = None
 
     def _reset_connections(self) -> None:
-        for conn in [self._client, *self._pool]:
+        with self._pool_lock:  # parallel streams take pool channels under it
+            conns, self._client, self._pool = [self._client, *self._pool], None, []
+        for conn in conns:
             if conn is not None:
                 with contextlib.suppress(Exception):  # closing a broken channel may raise
                     conn.close()
-        self._client = None
-        self._pool = []
 
     def __enter__(self) -> KVStoreClient:
         return self

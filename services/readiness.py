@@ -1,10 +1,14 @@
 """Readiness checks that confirm they reached the process just started: each takes the instance
 id the launcher gave that process (services/procs.py) and is True only when the component on
 the address serves and reports that id. A second `pdserve up` on ports an earlier one holds can
-never take the earlier one's answers for its own."""
+never take the earlier one's answers for its own.
+
+Liveness checks (`*_alive`) say whether a running component still answers at all (a worker whose
+engine restarts is alive, not ready); a supervisor kills one that stays unresponsive."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.request
 from collections.abc import Callable
@@ -53,7 +57,56 @@ def router_ready(url: str) -> ReadyCheck:
             with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
                 body = json.loads(resp.read())
                 return bool(resp.status == 200 and body.get("instance_id") == instance)
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             return False
 
     return ready
+
+
+AliveCheck = Callable[[], bool]
+
+
+def worker_alive(target: str, timeout_s: float = 2.0) -> AliveCheck:
+    """The worker answers its gRPC health service "liveness" with SERVING."""
+    def alive() -> bool:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(target) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="liveness"), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    return alive
+
+
+def router_alive(url: str, timeout_s: float = 2.0) -> AliveCheck:
+    """The router answers /livez."""
+    def alive() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/livez", timeout=timeout_s) as resp:
+                return bool(resp.status == 200)
+        except (OSError, ValueError, http.client.HTTPException):
+            return False
+
+    return alive
+
+
+def store_alive(url: str, timeout_s: float = 2.0) -> AliveCheck:
+    """The KV store answers its health action (whatever its backend says)."""
+    def alive() -> bool:
+        from kvstore.client import KVStoreClient, KVStoreClientError
+
+        client = KVStoreClient(url, timeout_s=timeout_s, use_shm=False)
+        try:
+            client.health()
+            return True
+        except KVStoreClientError:
+            return False
+        finally:
+            client.close()
+
+    return alive

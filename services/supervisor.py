@@ -14,9 +14,12 @@ at most `budget` times within `window_s`; every exit and restart is logged with 
 signal. A restarted child keeps its name, port and arguments (a new instance id), so the router,
 which keeps a worker's address in its pool, takes it back as soon as its health says SERVING.
 A child whose budget is spent stays down (logged); when it is critical (the router: nothing is
-served without it) `watch` raises FatalChildError and the caller stops everything.
+served without it) `watch` raises FatalChildError and the caller stops everything. A running
+child with a liveness check (`alive`) that has not answered it for `unresponsive_s` (hung,
+stuck in its shutdown, stopped by a signal) is killed, and so restarted like any other exit.
 
-Thread-safe: the autoscaler starts and stops children from its own thread.
+Thread-safe: the autoscaler starts and stops children from its own thread; liveness checks run
+in a thread of the supervisor (`start_liveness()`), so a hung child never holds `watch`.
 """
 
 from __future__ import annotations
@@ -44,11 +47,14 @@ class RestartPolicy:
     backoff_s: float = 0.5  # the first restart's delay, doubled for each restart after it
     max_backoff_s: float = 30.0
     stable_s: float = 60.0  # a child that ran this long starts over at backoff_s
+    unresponsive_s: float = 60.0  # a running child failing its liveness check this long is killed
+    liveness_every_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.budget < 0:
             raise ValueError(f"restart budget: must be >= 0, got {self.budget}")
-        for name in ("window_s", "backoff_s", "max_backoff_s", "stable_s"):
+        for name in ("window_s", "backoff_s", "max_backoff_s", "stable_s", "unresponsive_s",
+                     "liveness_every_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
 
@@ -66,6 +72,7 @@ class ChildSpec:
     env: Mapping[str, str] | None = None
     cpus: frozenset[int] | None = None
     critical: bool = False
+    alive: Callable[[], bool] | None = None  # liveness: does the process still answer at all?
 
 
 class FatalChildError(RuntimeError):
@@ -83,6 +90,8 @@ class Child:
     backoff: float = 0.0
     restart_at: float = 0.0
     exited_at: float | None = None
+    restarts: int = 0
+    answered_at: float = 0.0  # its liveness check's last success (monotonic)
 
     @property
     def pid(self) -> int:
@@ -101,6 +110,20 @@ class Supervisor:
         self.state_file = state_file
         self._children: dict[str, Child] = {}
         self._lock = threading.RLock()
+        self._closing = threading.Event()
+        self._liveness: threading.Thread | None = None
+
+    def start_liveness(self) -> None:
+        """Checks every running child's liveness in a thread (`watch` acts on the results)."""
+        if self._liveness is None:
+            self._liveness = threading.Thread(target=self._check_liveness, name="liveness", daemon=True)
+            self._liveness.start()
+
+    def _check_liveness(self) -> None:
+        while not self._closing.wait(self.policy.liveness_every_s):
+            for child in self.children():
+                if child.state == "running" and child.spec.alive is not None and child.spec.alive():
+                    child.answered_at = time.monotonic()
 
     # --- starting ---------------------------------------------------------------------------
     def start(self, spec: ChildSpec) -> Child:
@@ -130,7 +153,7 @@ class Supervisor:
             time.sleep(poll_s)
         with self._lock:
             if child.state == "starting":
-                child.state = "running"
+                child.state, child.answered_at = "running", time.monotonic()
                 self._write_state()
 
     # --- watching -----------------------------------------------------------------------------
@@ -148,10 +171,18 @@ class Supervisor:
             elif (child.state == "starting" and child.exited_at is not None
                   and child.spec.ready(child.instance)):
                 with self._lock:
-                    child.state = "running"
+                    if child.state != "starting":
+                        continue  # stopped on purpose meanwhile
+                    child.state, child.answered_at = "running", time.monotonic()
                     self._write_state()
                 self.log(f"{child.spec.name} serves again (pid {child.pid}, "
                          f"{time.monotonic() - child.exited_at:.1f} s after it went down)")
+            elif (child.state == "running" and child.spec.alive is not None and self._liveness is not None
+                  and now - child.answered_at > self.policy.unresponsive_s):
+                self.log(f"{child.spec.name} (pid {child.pid}) has not answered its liveness check for "
+                         f"{now - child.answered_at:.0f} s; killing it")
+                child.answered_at = now  # once: its exit is seen on a later pass
+                child.proc.kill()
 
     def _exited(self, child: Child, now: float) -> None:
         p = self.policy
@@ -184,8 +215,15 @@ class Supervisor:
         with self._lock:
             if child.state != "backoff":
                 return
-            child.proc, child.instance, child.started = self._spawn(child.spec)
+            try:
+                child.proc, child.instance, child.started = self._spawn(child.spec)
+            except OSError as e:  # no process at all (fork failed...): try again later
+                child.restart_at = time.monotonic() + child.backoff
+                child.backoff = min(child.backoff * 2, self.policy.max_backoff_s)
+                self.log(f"{child.spec.name} could not be restarted ({e}); trying again")
+                return
             child.state = "starting"
+            child.restarts += 1
             self._write_state()
         self.log(f"{child.spec.name} restarted (pid {child.pid})")
 
@@ -207,6 +245,7 @@ class Supervisor:
 
     def stop_all(self, groups: Sequence[Sequence[str]], timeout_s: float = 30.0) -> None:
         """Stops every child, group by group (kinds in each group), then whatever is left."""
+        self._closing.set()
         with self._lock:
             for child in self._children.values():
                 child.state = "stopped"
@@ -229,7 +268,7 @@ class Supervisor:
         with self._lock:
             return {"pid": os.getpid(), "components": [
                 {"name": c.spec.name, "kind": c.spec.kind, "target": c.spec.target, "pid": c.pid,
-                 "instance_id": c.instance, "state": c.state, "restarts": len(c.exits)}
+                 "instance_id": c.instance, "state": c.state, "restarts": c.restarts}
                 for c in self._children.values()]}
 
     def _write_state(self) -> None:

@@ -24,7 +24,14 @@ from typing import Any
 
 from engine.config import DEFAULT_MODEL
 from services.procs import PortInUseError, check_ports_free, cli
-from services.readiness import router_ready, store_ready, worker_ready
+from services.readiness import (
+    router_alive,
+    router_ready,
+    store_alive,
+    store_ready,
+    worker_alive,
+    worker_ready,
+)
 from services.supervisor import ChildSpec, FatalChildError, RestartPolicy, Supervisor
 
 
@@ -153,7 +160,7 @@ def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], Chil
                                                          str(args.kvstore_port), "--capacity",
                                                          args.kvstore_capacity, "--log-level", "WARNING"),
                                store_ready(store), target=f"{h}:{args.kvstore_port}",
-                               cpus=_frozen(parse_cpus(args.kvstore_cpus))))
+                               cpus=_frozen(parse_cpus(args.kvstore_cpus)), alive=store_alive(store)))
         for i in range(args.prefill):
             port = args.prefill_port + i
             specs.append(_worker_spec(args, f"prefill-{i}", "prefill", port, common + _prefill_args(args),
@@ -174,9 +181,10 @@ def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], Chil
         router += ["--stall-timeout-s", str(args.stall_timeout_s)]
     # The API key goes by environment, not argv (ps shows argv).
     env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None
-    router_spec = ChildSpec("router", "router", cli(*router), router_ready(f"http://{h}:{args.port}"),
-                            target=f"{h}:{args.port}", env=env, cpus=_frozen(parse_cpus(args.router_cpus)),
-                            critical=True)
+    url = f"http://{h}:{args.port}"
+    router_spec = ChildSpec("router", "router", cli(*router), router_ready(url), target=f"{h}:{args.port}",
+                            env=env, cpus=_frozen(parse_cpus(args.router_cpus)), critical=True,
+                            alive=router_alive(url))
     return specs, router_spec
 
 
@@ -185,7 +193,8 @@ def _worker_spec(args: argparse.Namespace, name: str, role: str, port: int, extr
     target = f"{args.host}:{port}"
     argv = cli("worker", "--role", role, "--host", args.host, "--port", str(port),
                *_metrics_args(args, port), *extra)
-    return ChildSpec(name, role, argv, worker_ready(target), target=target, cpus=_frozen(cpus))
+    return ChildSpec(name, role, argv, worker_ready(target), target=target, cpus=_frozen(cpus),
+                     alive=worker_alive(target))
 
 
 def _frozen(cpus: set[int] | None) -> frozenset[int] | None:
@@ -222,6 +231,7 @@ def run_up(args: argparse.Namespace) -> int:
         sup.start(router)
         sup.wait_ready(router.name, deadline)
         _print_up(args, specs)
+        sup.start_liveness()
         if args.autoscale:
             scaler = _start_autoscaler(args, folder, sup)
         while not stop.wait(0.5):

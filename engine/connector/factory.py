@@ -20,13 +20,13 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int, scheduler: Sch
 
     from kvstore.client import KVStoreClient
 
-    def client() -> KVStoreClient:
-        return KVStoreClient(config.kv_store_url, timeout_s=config.kv_store_timeout_s,
-                             breaker_s=config.kv_store_timeout_s)
+    def client(timeout_s: float = config.kv_store_timeout_s) -> KVStoreClient:
+        return KVStoreClient(config.kv_store_url, timeout_s=timeout_s, breaker_s=config.kv_store_timeout_s)
 
     model_name = Path(config.model).name if Path(config.model).exists() else config.model
-    sched = KVStoreConnectorScheduler(
-        config.kv_role, client(), model_name, config.dtype, num_layers, config.kv_chunk_size,
+    sched = KVStoreConnectorScheduler(  # its calls run inside the engine's loop: short ones
+        config.kv_role, client(config.kv_store_control_timeout_s), model_name, config.dtype, num_layers,
+        config.kv_chunk_size,
         config.kv_lease_s, config.kv_store_url, scheduler.requests.get, kv.get_block_ids,
         load_mode=config.kv_load_mode, layerwise_max_tokens=config.kv_layerwise_max_tokens)
     worker = KVStoreConnectorWorker(client, config.kv_chunk_size, config.kv_stream_layers,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from services.procs import cli, free_port
-from services.readiness import worker_ready
+from services.readiness import worker_alive, worker_ready
 from services.supervisor import ChildSpec, Supervisor
 from services.worker.client import WorkerClient
 
@@ -81,7 +81,8 @@ class LocalProcessActuator:
         cpus = self.cpus.get(role)
         name = f"{role}-auto-{port}"
         self.supervisor.start(ChildSpec(name, role, cli(*self.argv(role, port)), worker_ready(target),
-                                        target=target, cpus=frozenset(cpus) if cpus else None))
+                                        target=target, cpus=frozenset(cpus) if cpus else None,
+                                        alive=worker_alive(target)))
         self.started[target] = (role, name)
         try:
             await asyncio.to_thread(self.supervisor.wait_ready, name,

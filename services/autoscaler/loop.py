@@ -69,6 +69,7 @@ class Autoscaler:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def step(self) -> list[Decision]:
+        await self._reregister()
         obs = await self.observer.observe(self.starting)
         decisions = [d for d in self.planner.plan(obs) if d.pool not in self._busy]
         self._record(obs, decisions)
@@ -79,6 +80,19 @@ class Autoscaler:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         return decisions
+
+    async def _reregister(self) -> None:
+        """Registers again the workers of ours the router does not list (a restarted router
+        knows only the workers on its command line)."""
+        listed = {(w["role"], w["target"]) for w in await self.observer.workers()}
+        for role in {"prefill", self.options.decode_role}:
+            for target in self.actuator.managed(role):
+                if (role, target) not in listed and not self._busy:
+                    logger.warning("autoscaler: the router does not list %s worker %s; registering it",
+                                   role, target)
+                    reply = await self.observer.http.post(f"{self.observer.url}/admin/workers",
+                                                          json={"role": role, "target": target})
+                    reply.raise_for_status()
 
     def _record(self, obs: Observation, decisions: list[Decision]) -> None:
         self.replicas.labels("prefill").set(obs.prefill_workers)

@@ -13,7 +13,7 @@ prefill is retried on another prefill worker, then the decode worker computes th
 whose call fails as unreachable is marked unhealthy (see pool.py).
 
 Migration (as Dynamo's): when a decode (or colocated) stream breaks, stays silent for
-`stall_timeout_s` (no token and no worker heartbeat), or its worker goes unhealthy, the sample
+`stall_timeout_s` (no token and no worker heartbeat), or its worker turns unreachable, the sample
 continues on another worker from the prompt plus every token already streamed, with the same KV
 transfer (the new worker loads the prompt's KV from the store where it still is, and computes
 the rest). The caller sees one stream, with no token repeated or missing. At most
@@ -112,6 +112,7 @@ class _Sample:
     deadline: float
     generated: list[int] = field(default_factory=list)  # tokens already streamed to the caller
     migrations: int = 0
+    failed: dict[str, float] = field(default_factory=dict)  # worker -> when the sample failed there
 
     def next_call(self) -> tuple[str, list[int], SamplingParams]:
         """Request id, token ids and params of the next attempt: the rest of the sample."""
@@ -157,8 +158,11 @@ class Dispatcher:
         for pool in self.pools:
             await pool.close()
 
-    def _worker_unhealthy(self, w: WorkerState, why: str) -> None:
-        n = self.inflight.end_all_on(w.target, f"worker unhealthy: {why}")
+    def _worker_unhealthy(self, w: WorkerState, why: str, down: bool) -> None:
+        """Prefills on a worker gone unhealthy are retried elsewhere at once; decode streams
+        only when it is unreachable (a slow or briefly frozen one may go on: the stall timeout
+        decides for those)."""
+        n = self.inflight.end_all_on(w.target, f"worker unhealthy: {why}", streams=down)
         if n:
             logger.warning("%d calls in flight on %s are moved elsewhere", n, w.target)
 
@@ -189,10 +193,14 @@ class Dispatcher:
                 return
             sample.generated.append(first.first_token_id)
             sample.kv = first.kv_transfer_params
-        async for step in self._decode(sample, local, announce=first is None and not announced):
-            if first is not None:
-                step.cached_tokens = first.num_cached_tokens  # not the tokens loaded from the store
-            yield step
+        async with aclosing(self._decode(sample, local, announce=first is None and not announced)) as steps:
+            async for step in steps:
+                # Prompt tokens not computed: the prefill's (not the tokens loaded from the
+                # store), or the decode call's, never more than the prompt (after a migration
+                # the streamed tokens count as that call's prompt).
+                step.cached_tokens = (first.num_cached_tokens if first is not None
+                                      else min(step.cached_tokens, len(prompt_ids)))
+                yield step
 
     def _decode_pick(self, hashes: Sequence[int], prompt_tokens: int) -> Pick:
         pick = self.decode.pick(hashes, prompt_tokens=prompt_tokens)
@@ -227,15 +235,16 @@ class Dispatcher:
             worker = pick.worker
             tried.add(worker.target)
             self.prefill.acquire(worker, hashes)
-            call = worker.client.start_prefill(request_id, prompt_ids, params, transfer_id=uuid.uuid4().hex,
-                                               timeout_s=self.options.prefill_timeout_s)
-            attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=False))
             try:
-                with _ended_by_router(attempt):
-                    if not announced and await call.accepted():
-                        announced = True
-                        yield Step([])
-                    result = await call.result()
+                result = None
+                async with aclosing(self._prefill_on(worker, request_id, prompt_ids, params,
+                                                     announce=not announced)) as items:
+                    async for item in items:
+                        if isinstance(item, PrefillResult):
+                            result = item
+                        else:
+                            announced = True
+                            yield item
             except WorkerError as e:
                 if e.kind == "invalid":
                     raise
@@ -245,13 +254,28 @@ class Dispatcher:
                 logger.warning("prefill of %s failed on %s: %s", request_id, worker.target, e.message)
                 continue
             finally:
-                self.inflight.discard(attempt)
-                call.cancel()  # no-op once it ended; a consumer that left mid-prefill aborts it
                 self.prefill.release(worker)
+            assert result is not None
             self._on_decision("disaggregated")
             yield result
             return
         self._on_decision("fallback")
+
+    async def _prefill_on(self, worker: WorkerState, request_id: str, prompt_ids: list[int],
+                          params: SamplingParams, announce: bool
+                          ) -> AsyncGenerator[Step | PrefillResult, None]:
+        """One prefill attempt: an empty Step once accepted (with `announce`), then the result."""
+        call = worker.client.start_prefill(request_id, prompt_ids, params, transfer_id=uuid.uuid4().hex,
+                                           timeout_s=self.options.prefill_timeout_s)
+        attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=False))
+        try:
+            with _ended_by_router(attempt):
+                if announce and await call.accepted():
+                    yield Step([])
+                yield await call.result()
+        finally:
+            self.inflight.discard(attempt)
+            call.cancel()  # no-op once it ended; a consumer that left mid-prefill aborts it
 
     async def _decode(self, sample: _Sample, pick: Pick | None = None, announce: bool = False
                       ) -> AsyncGenerator[Step, None]:
@@ -259,8 +283,9 @@ class Dispatcher:
         worker = (pick or self._decode_pick(sample.hashes, len(sample.prompt_ids))).worker
         while True:
             try:
-                async for step in self._decode_on(worker, sample, announce):
-                    yield step
+                async with aclosing(self._decode_on(worker, sample, announce)) as steps:
+                    async for step in steps:
+                        yield step
                 return
             except WorkerError as e:
                 if e.kind in ("invalid", "timeout") or sample.migrations >= self.options.max_migrations:
@@ -269,7 +294,8 @@ class Dispatcher:
                     self.decode.mark_failed(worker, e)
                 reason = e.why if isinstance(e, EndedByRouter) else "broken"
                 failed = worker.target
-                worker = await self._migration_target(sample, failed, time.monotonic())
+                sample.failed[failed] = time.monotonic()
+                worker = await self._migration_target(sample)
                 sample.migrations += 1
                 announce = False
                 self._on_migration(reason)
@@ -285,45 +311,51 @@ class Dispatcher:
             raise WorkerError(worker.target, "timeout", "the sample's decode deadline passed")
         rid, ids, params = sample.next_call()
         self.decode.acquire(worker, sample.hashes)
-        call = worker.client.start_decode(rid, ids, params, sample.kv, timeout_s=remaining,
-                                          announce=announce)
-        attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=True))
-        chunks = call.chunks()
         try:
-            async with aclosing(chunks):  # leaving early cancels the call, which aborts the request
-                with _ended_by_router(attempt):
-                    async for chunk in chunks:
-                        attempt.touch()
-                        if chunk.empty:
-                            if announce:  # the acceptance; later empty chunks are heartbeats
-                                announce = False
-                                yield Step([])
-                            continue
-                        announce = False
-                        sample.generated.extend(chunk.token_ids)
-                        yield Step(chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk.cached_tokens)
-                        if chunk.finish_reason:
-                            return
-            raise WorkerError(worker.target, "unavailable", "the stream ended without a finish")
+            call = worker.client.start_decode(rid, ids, params, sample.kv, timeout_s=remaining,
+                                              announce=announce)
+            attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=True))
+            try:
+                async with aclosing(call.chunks()) as chunks:
+                    with _ended_by_router(attempt):
+                        async for chunk in chunks:
+                            attempt.touch()
+                            if chunk.empty:
+                                if announce:  # the acceptance; later empty chunks are heartbeats
+                                    announce = False
+                                    attempt.pause()  # the caller's time is not the worker's
+                                    yield Step([])
+                                    attempt.touch()
+                                continue
+                            announce = False
+                            sample.generated.extend(chunk.token_ids)
+                            attempt.pause()
+                            yield Step(chunk.token_ids, chunk.logprobs, chunk.finish_reason,
+                                       chunk.cached_tokens)
+                            attempt.touch()
+                            if chunk.finish_reason:
+                                return
+                raise WorkerError(worker.target, "unavailable", "the stream ended without a finish")
+            finally:
+                self.inflight.discard(attempt)
         finally:
-            self.inflight.discard(attempt)
             self.decode.release(worker)
 
-    async def _migration_target(self, sample: _Sample, failed: str, failed_at: float) -> WorkerState:
-        """A serving worker other than the failed one (or the failed one, once a report after
-        the failure says it serves), waited for up to migration_wait_s."""
+    async def _migration_target(self, sample: _Sample) -> WorkerState:
+        """A serving worker on which the sample has not failed (or one it failed on, once a load
+        report after that failure says it serves), waited for up to migration_wait_s."""
         deadline = min(sample.deadline, time.monotonic() + self.options.migration_wait_s)
         while True:
-            pick = self.decode.pick(sample.hashes, frozenset({failed}), len(sample.prompt_ids))
-            same = self.decode.find(failed)
-            if (pick is None and same is not None and same.healthy and not same.draining
-                    and same.reported_at > failed_at):
-                pick = Pick(same, 0)
+            pick = self.decode.pick(sample.hashes, frozenset(sample.failed), len(sample.prompt_ids))
+            if pick is None:
+                back = [w for t, at in sample.failed.items() if (w := self.decode.find(t)) is not None
+                        and w.healthy and not w.draining and w.reported_at > at]
+                pick = Pick(back[0], 0) if back else None
             if pick is not None:
                 return pick.worker
             if time.monotonic() > deadline:
                 raise NoWorkerError(f"no {self.decode.role} worker to continue {sample.request_id} on "
-                                    f"after {failed} failed")
+                                    f"(it failed on {', '.join(sample.failed)})")
             await asyncio.sleep(0.1)
 
 
@@ -333,11 +365,15 @@ def _ended_by_router(attempt: Attempt) -> Iterator[None]:
     whatever the cancelled call raised; the consumer leaving still cancels as it should."""
     try:
         yield
-    except (asyncio.CancelledError, WorkerError):
+    except (asyncio.CancelledError, WorkerError) as e:
         task = asyncio.current_task()
-        if attempt.ended is None or (task is not None and task.cancelling()):
+        if task is not None and task.cancelling():
             raise
-        raise attempt.ended from None
+        if attempt.ended is not None:
+            raise attempt.ended from None
+        if isinstance(e, asyncio.CancelledError):  # the channel went away under the call
+            raise WorkerError(attempt.target, "unavailable", "the call was cancelled") from None
+        raise
 
 
 def _ignore(_: str) -> None:

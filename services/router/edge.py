@@ -39,30 +39,31 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         length = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-            await self._too_large(send)
+        if length is not None:  # the server delivers no more than Content-Length says
+            if not length.isdigit() or int(length) > self.max_bytes:
+                await self._too_large(send)
+            else:
+                await self.app(scope, receive, send)
             return
-        state = {"received": 0, "exceeded": False, "started": False}
-
-        async def limited() -> Message:
-            if state["exceeded"]:
-                return {"type": "http.disconnect"}
+        # A chunked body: read (at most max_bytes + 1) here, then replay it to the app.
+        parts, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                state["received"] += len(message.get("body", b""))
-                if state["received"] > self.max_bytes:
-                    state["exceeded"] = True  # the app sees a client that left
-                    return {"type": "http.disconnect"}
-            return message
+            if message["type"] != "http.request":
+                return  # the client left
+            parts.append(message.get("body", b""))
+            size += len(parts[-1])
+            if size > self.max_bytes:
+                await self._too_large(send)
+                return
+            if not message.get("more_body", False):
+                break
+        pending: list[Message] = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
 
-        async def tracked(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                state["started"] = True
-            await send(message)
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
 
-        await self.app(scope, limited, tracked)
-        if state["exceeded"] and not state["started"]:
-            await self._too_large(send)
+        await self.app(scope, replay, send)
 
     async def _too_large(self, send: Send) -> None:
         body = json.dumps(error_body(f"request body larger than {self.max_bytes} bytes",
@@ -81,7 +82,8 @@ _TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application
 
 
 class GuardedProtocol(HttpToolsProtocol):
-    """See the module docstring; `protocol_class(config)` sets the timeouts."""
+    """See the module docstring; `protocol_class(config)` sets the timeouts. `_phase` is what the
+    request being read still owes: its "headers", its "body", or nothing (None)."""
 
     header_timeout_s = 10.0
     body_timeout_s = 30.0
@@ -89,23 +91,34 @@ class GuardedProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._read_timer: asyncio.TimerHandle | None = None
+        self._phase: str | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._phase = "headers"
         self._arm(self.header_timeout_s)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._read_timer is None:
-            self._arm(self.header_timeout_s)
+        self._phase = "headers"
+        self._arm(self.header_timeout_s)
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
+        self._phase = "body"
         self._arm(self.body_timeout_s)
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self._phase = None
         self._disarm()
+        cycle = self.cycle
+        if (cycle is not None and cycle.response_complete and not self.pipeline
+                and self.timeout_keep_alive_task is None and not self.transport.is_closing()):
+            # Answered before its body was in (413, 401): the bytes that came since cancelled
+            # uvicorn's keep-alive timer; the connection is idle now.
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -124,9 +137,19 @@ class GuardedProtocol(HttpToolsProtocol):
         self._read_timer = None
         if self.transport.is_closing():
             return
-        if self.cycle is None or not self.cycle.response_started:
+        if self._may_answer():
             self.transport.write(_TIMEOUT_RESPONSE)
         self.transport.close()
+
+    def _may_answer(self) -> bool:
+        """Whether a 408 can be written: no other response is on the wire, and none for this
+        request has started."""
+        if self.pipeline:  # an earlier request's response is still in progress
+            return False
+        cycle = self.cycle
+        if self._phase == "headers":  # `cycle` is the previous request's, if any
+            return cycle is None or cycle.response_complete
+        return self._phase == "body" and cycle is not None and not cycle.response_started
 
 
 def protocol_class(config: RouterConfig) -> type[GuardedProtocol]:

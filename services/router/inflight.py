@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -47,6 +48,10 @@ class Attempt:
     def touch(self) -> None:
         self.last = time.monotonic()
 
+    def pause(self) -> None:
+        """No stall while the caller holds a step (a slow client is not a stalled worker)."""
+        self.last = math.inf
+
     def end(self, why: Why, message: str) -> None:
         if self.ended is None:
             self.ended = EndedByRouter(self.target, why, message)
@@ -66,9 +71,11 @@ class InFlight:
     def discard(self, attempt: Attempt) -> None:
         self._attempts.discard(attempt)
 
-    def end_all_on(self, target: str, reason: str) -> int:
-        """Ends every call on the worker at `target`; returns how many."""
-        ended = [a for a in self._attempts if a.target == target and a.ended is None]
+    def end_all_on(self, target: str, reason: str, streams: bool = True) -> int:
+        """Ends the calls on the worker at `target` (Decode streams too with `streams`: when
+        the worker is unreachable, not when it may only be slow); returns how many."""
+        ended = [a for a in self._attempts if a.target == target and a.ended is None
+                 and (streams or not a.watch_stall)]
         for a in ended:
             a.end("unhealthy", reason)
         return len(ended)

@@ -6,7 +6,8 @@ cannot be reached (Load or a request failing with UNAVAILABLE, `mark_failed`) is
 one whose report says it does not serve (its engine core is down, frozen or restarting) is too;
 so is one whose reports time out `missed_reports_unhealthy` times in a row (frozen, hung). An
 unhealthy worker gets no requests until a report says it serves again; `on_unhealthy(worker,
-why)` is told at once (the dispatcher moves the calls in flight there elsewhere). A report with
+why, down)` is told at once (`down`: unreachable, not merely slow or not ready; the dispatcher
+moves the calls in flight there elsewhere). A report with
 a new instance id means the worker restarted: what the pool knew of its cache is forgotten.
 Picking never waits on the network.
 
@@ -128,7 +129,7 @@ class Pick:
 class WorkerPool:
     def __init__(self, role: str, targets: Sequence[str], options: PoolOptions = PoolOptions(),
                  resolver: Resolver | None = None,
-                 on_unhealthy: Callable[[WorkerState, str], None] | None = None) -> None:
+                 on_unhealthy: Callable[[WorkerState, str, bool], None] | None = None) -> None:
         self.role = role
         self.options = options
         self.on_unhealthy = on_unhealthy
@@ -196,7 +197,7 @@ class WorkerPool:
             w.missed_reports += 1
             # Unreachable: at once. Slow (a busy worker answers late): after a few in a row.
             if is_down(e) or w.missed_reports >= self.options.missed_reports_unhealthy:
-                self._set_unhealthy(w, f"load report failed: {_describe(e)}")
+                self._set_unhealthy(w, f"load report failed: {_describe(e)}", down=is_down(e))
             return
         w.load, w.sent_since_report, w.missed_reports = load, 0, 0
         w.reported_at = time.monotonic()
@@ -205,8 +206,8 @@ class WorkerPool:
                 logger.warning("%s worker %s restarted (new instance)", self.role, w.target)
                 w.prefix.clear()
             w.instance = load.instance_id
-        if not load.serving:
-            self._set_unhealthy(w, f"not serving: {load.not_serving_reason}")
+        if not load.serving:  # its own requests fail by themselves if they are lost
+            self._set_unhealthy(w, f"not serving: {load.not_serving_reason}", down=False)
         elif not w.healthy:
             logger.warning("%s worker %s is healthy again", self.role, w.target)
             w.healthy, w.last_error = True, ""
@@ -214,16 +215,16 @@ class WorkerPool:
     def mark_failed(self, w: WorkerState, error: BaseException) -> None:
         """A call to the worker failed in a way that says it is down (UNAVAILABLE, connection)."""
         w.failures += 1
-        self._set_unhealthy(w, _describe(error))
+        self._set_unhealthy(w, _describe(error), down=True)
 
-    def _set_unhealthy(self, w: WorkerState, why: str) -> None:
+    def _set_unhealthy(self, w: WorkerState, why: str, down: bool) -> None:
         was = w.healthy
         if was:
             logger.warning("%s worker %s marked unhealthy: %s", self.role, w.target, why)
             w.prefix.clear()  # a restarted worker has an empty cache
         w.healthy, w.last_error = False, why
         if was and self.on_unhealthy is not None:
-            self.on_unhealthy(w, why)
+            self.on_unhealthy(w, why, down)
 
     # --- choosing -----------------------------------------------------------------------------
     @property

@@ -54,7 +54,7 @@ class WorkerError(Exception):
     def from_rpc(cls, target: str, error: grpc.RpcError) -> WorkerError:
         code = error.code() if callable(getattr(error, "code", None)) else grpc.StatusCode.UNKNOWN
         details = error.details() if callable(getattr(error, "details", None)) else str(error)
-        down = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+        down = code == grpc.StatusCode.UNAVAILABLE  # UNKNOWN / INTERNAL: that call's trouble
         return cls(target, _KINDS.get(code, "failed"), f"{code.name}: {details}", down)
 
 

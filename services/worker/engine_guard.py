@@ -76,8 +76,18 @@ class EngineGuard:
         return live is None or live.silent_s <= within_s
 
     async def start(self) -> None:
-        self.engine = await asyncio.to_thread(self.make_engine)
+        self.engine = await self._build()
         await self._set("")
+
+    async def _build(self) -> AsyncLLM:
+        """A new engine, built in a thread; one whose build outlives a cancellation (the worker
+        stopping mid-restart) is shut down when it is ready, not left running."""
+        build = asyncio.ensure_future(asyncio.to_thread(self.make_engine))
+        try:
+            return await asyncio.shield(build)
+        except asyncio.CancelledError:
+            build.add_done_callback(_shut_down_built)
+            raise
 
     async def run(self) -> None:
         """Watches until cancelled; raises EngineGaveUp when the restart budget is spent."""
@@ -93,7 +103,7 @@ class EngineGuard:
                 continue
             live = engine.engine_core.liveness()
             silent = live is not None and live.silent_s > o.unready_after_s
-            await self._set(f"engine core silent for {live.silent_s:.1f} s" if live and silent else "")
+            await self._set(f"engine core silent for over {o.unready_after_s:g} s" if silent else "")
 
     async def _replace(self, engine: AsyncLLM, problem: str) -> None:
         o = self.options
@@ -101,7 +111,7 @@ class EngineGuard:
         await self._set(f"restarting the engine core: {problem}")
         engine.fail(problem)
         self.engine = None
-        await asyncio.to_thread(engine.shutdown)
+        await engine.close()
         delay = 1.0
         while True:
             now = time.monotonic()
@@ -114,7 +124,7 @@ class EngineGuard:
                 raise EngineGaveUp(self.gave_up)
             self.restarts.append(now)
             try:
-                self.engine = await asyncio.to_thread(self.make_engine)
+                self.engine = await self._build()
             except Exception as e:  # counts against the budget like a crash
                 logger.error("engine restart failed: %r; retrying in %.0f s", e, delay)
                 problem = f"engine restart failed: {e}"
@@ -141,4 +151,10 @@ class EngineGuard:
         engine, self.engine = self.engine, None
         self.reason = "stopping"
         if engine is not None:
-            await asyncio.to_thread(engine.shutdown)
+            await engine.close()
+
+
+def _shut_down_built(build: asyncio.Future[AsyncLLM]) -> None:
+    if not build.cancelled() and build.exception() is None:
+        engine = build.result()
+        asyncio.get_running_loop().create_task(engine.close())

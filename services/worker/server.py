@@ -206,7 +206,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         why = "" if serving else self.guard.reason or "the engine core died"
         report = pb.LoadReport(role=_PROTO_ROLES[self.role], serving=serving, not_serving_reason=why,
                                instance_id=self.instance_id)
-        stats = await self._snapshot()
+        stats = await self.snapshot(LOAD_WAIT_S)
         if stats is not None:
             report.MergeFrom(pb.LoadReport(
                 num_waiting=stats.num_waiting, num_running=stats.num_running, kv_usage=stats.kv_usage,
@@ -216,7 +216,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 busy_seconds=stats.step_seconds.total))
         return report
 
-    async def _snapshot(self) -> EngineStats | None:
+    async def snapshot(self, wait_s: float) -> EngineStats | None:
+        """The engine's stats: a fresh snapshot when the core answers within `wait_s` (longer for
+        an engine's first), else the last one; None without a live engine. Load and metrics
+        scrapes share one request to the core, so a frozen core holds one thread, not one per
+        call."""
         engine = self.engine
         if engine is None or engine.errored:
             return None
@@ -225,13 +229,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if self._stats_task is None or self._stats_task.done():
             self._stats_task = asyncio.ensure_future(engine.get_stats())
             self._stats_task.add_done_callback(lambda task: self._keep_stats(engine, task))
-        try:  # the first snapshot of an engine is waited for longer: there is none to fall back on
-            return await asyncio.wait_for(asyncio.shield(self._stats_task),
-                                          LOAD_WAIT_S if self._stats is not None else FIRST_LOAD_WAIT_S)
-        except TimeoutError:
-            return self._stats
-        except EngineDeadError:
-            return None
+        if self._stats is None:  # an engine's first snapshot: there is none to fall back on
+            wait_s = max(wait_s, FIRST_LOAD_WAIT_S)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._stats_task), wait_s)
+        except (TimeoutError, EngineDeadError):
+            return self._stats if not engine.errored else None
 
     async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
                         params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -362,15 +365,15 @@ class WorkerServer:
         await self.guard.stop()
 
     def _stats_for_scrape(self) -> EngineStats | None:
-        """Called in the metrics thread: the engine's stats, fetched on the event loop (which
-        only awaits them), or None when there is no engine or it does not answer in time."""
-        engine, loop = self.guard.engine, self._loop
-        if engine is None or engine.errored or loop is None or loop.is_closed():
+        """Called in the metrics thread: the engine's stats (the snapshot Load shares), fetched
+        on the event loop, or None when there is no engine or it does not answer."""
+        loop = self._loop
+        if self.guard.engine is None or loop is None or loop.is_closed():
             return None
-        future = asyncio.run_coroutine_threadsafe(engine.get_stats(), loop)
+        future = asyncio.run_coroutine_threadsafe(self.servicer.snapshot(SCRAPE_STATS_TIMEOUT_S), loop)
         try:
-            return future.result(timeout=SCRAPE_STATS_TIMEOUT_S)
-        except Exception as e:  # the engine died, the loop stopped, or the core is stuck
+            return future.result(timeout=SCRAPE_STATS_TIMEOUT_S + 1)
+        except Exception as e:  # the loop stopped, or it is stuck
             future.cancel()
             logger.warning("metrics scrape got no engine stats: %r", e)
             return None

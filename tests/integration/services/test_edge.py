@@ -134,3 +134,45 @@ def test_clients_that_send_half_a_request_get_408_and_are_dropped(router: Served
     assert took < 5.0
     with httpx.Client(base_url=router.url, timeout=10) as http:  # the router is fine
         assert http.get("/livez").status_code == 200
+
+
+@in_module_loop
+async def test_an_oversized_chunked_body_is_a_413_whatever_the_content_type_or_key(
+        workers: dict[str, WorkerServer], model_dir: Path) -> None:
+    config = RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, api_key="k",
+                          dispatch=DispatchOptions(decode=(workers["colocated"].target,)))
+
+    async def chunks() -> object:
+        for _ in range(10):
+            yield b"x" * 2**20
+
+    with ServedRouter(config) as served:
+        async with httpx.AsyncClient(base_url=served.url, timeout=30,
+                                     headers={"authorization": "Bearer k"}) as http:
+            for content_type in ("application/json", "text/plain"):
+                r = await http.post("/v1/completions", content=chunks(),
+                                    headers={"content-type": content_type})
+                assert r.status_code == 413, (content_type, r.text)
+
+            async def small() -> object:  # a chunked body under the limit reaches the app whole
+                body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 2}).encode()
+                yield body[:10]
+                yield body[10:]
+
+            r = await http.post("/v1/completions", content=small(),
+                                headers={"content-type": "application/json"})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_kept_alive_connection_gets_408_for_a_half_sent_second_request(router: ServedRouter) -> None:
+    first = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n"
+    got, took = raw(router.port, first + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", wait_s=10)
+    assert got.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 408" in got, got[:400]
+    assert took < 5.0
+
+
+def test_a_connection_answered_before_its_body_arrived_closes_once_idle(router: ServedRouter) -> None:
+    headers = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: %d\r\n\r\n" % (9 * 2**20))
+    got, took = raw(router.port, headers + b"x" * (9 * 2**20), wait_s=20)
+    assert got.startswith(b"HTTP/1.1 413") and took < 15.0, (got[:200], took)

@@ -28,8 +28,14 @@ def test_stalled_streams_and_calls_on_an_unhealthy_worker_are_ended_once_with_wh
     assert "stall timeout" in quiet.ended.message and busy.ended is None and prefill.ended is None
     inflight.check()
     assert cancelled == ["quiet"]  # ended once
-    assert inflight.end_all_on("w2", "not serving: restarting") == 1
+    assert inflight.end_all_on("w2", "not serving: restarting", streams=False) == 1
     assert prefill.ended is not None and prefill.ended.why == "unhealthy" and cancelled[-1] == "prefill"
+    assert inflight.end_all_on("w1", "late reports", streams=False) == 0  # streams: the stall timeout
+    busy.pause()  # the caller holds a step: no stall however long
+    time.sleep(0.08)
+    inflight.check()
+    assert busy.ended is None
+    assert inflight.end_all_on("w1", "unreachable") == 1 and busy.ended is not None
     inflight.discard(busy)
     assert inflight.end_all_on("w1", "gone") == 0  # quiet already ended, busy no longer in flight
 

@@ -228,10 +228,10 @@ async def test_finished_requests_do_not_inflate_the_estimate_while_reports_are_l
 
 
 async def test_a_worker_that_says_it_does_not_serve_is_unhealthy_and_its_calls_are_told() -> None:
-    told: list[tuple[str, str]] = []
+    told: list[tuple[str, str, bool]] = []
 
-    def on_unhealthy(w: WorkerState, why: str) -> None:
-        told.append((w.target, why))
+    def on_unhealthy(w: WorkerState, why: str, down: bool) -> None:
+        told.append((w.target, why, down))
 
     pool = WorkerPool("decode", ["127.0.0.1:1"], on_unhealthy=on_unhealthy)
     w = pool.workers[0]
@@ -248,7 +248,7 @@ async def test_a_worker_that_says_it_does_not_serve_is_unhealthy_and_its_calls_a
         answer[0] = pb.LoadReport(serving=False, not_serving_reason="engine core silent for 3.2 s",
                                   instance_id="a")
         await pool.refresh()
-        assert not w.healthy and told == [(w.target, "not serving: engine core silent for 3.2 s")]
+        assert not w.healthy and told == [(w.target, "not serving: engine core silent for 3.2 s", False)]
         answer[0] = report(0, 0, instance="a")
         await pool.refresh()
         assert w.healthy and len(told) == 1
@@ -256,5 +256,7 @@ async def test_a_worker_that_says_it_does_not_serve_is_unhealthy_and_its_calls_a
         answer[0] = report(0, 0, instance="b")  # restarted between two reports
         await pool.refresh()
         assert w.healthy and w.instance == "b" and len(w.prefix) == 0
+        pool.mark_failed(w, WorkerError(w.target, "unavailable", "UNAVAILABLE: reset", down=True))
+        assert told[-1] == (w.target, "UNAVAILABLE: reset", True)  # unreachable: streams end too
     finally:
         await pool.close()

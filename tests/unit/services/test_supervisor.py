@@ -109,3 +109,26 @@ def test_restart_policy_is_validated() -> None:
         RestartPolicy(budget=-1)
     with pytest.raises(ValueError, match="backoff_s"):
         RestartPolicy(backoff_s=0)
+
+
+def test_a_running_child_that_stops_answering_its_liveness_check_is_killed_and_restarted() -> None:
+    logs: list[str] = []
+    answers = [True]
+    policy = RestartPolicy(budget=2, backoff_s=0.1, unresponsive_s=0.3, liveness_every_s=0.05)
+    sup = Supervisor(policy, log=logs.append)
+    child = sup.start(ChildSpec("w", "decode", SLEEPER, ready=lambda _: True, alive=lambda: answers[0]))
+    try:
+        sup.wait_ready("w", time.monotonic() + 10)
+        sup.start_liveness()
+        first = child.pid
+        for _ in range(10):  # answering: left alone
+            sup.watch()
+            time.sleep(0.05)
+        assert child.pid == first and child.state == "running"
+        answers[0] = False  # hung
+        watch_until(sup, lambda: child.pid != first and child.state == "starting")
+        assert any("has not answered its liveness check" in line for line in logs)
+        answers[0] = True
+        watch_until(sup, lambda: child.state == "running")
+    finally:
+        sup.stop_all([])
