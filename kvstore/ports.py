@@ -26,3 +26,18 @@ def port_free(host: str, port: int) -> bool:
 
 def port_in_use_message(host: str, port: int, component: str) -> str:
     return f"port {port} ({component}) on {host} is already in use"
+
+
+def listen(host: str, port: int, component: str, backlog: int = 2048) -> socket.socket:
+    """A listening socket on host:port that no one else listens on (no SO_REUSEPORT); raises
+    PortInUseError naming the port and `component` when it is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        raise PortInUseError(port_in_use_message(host, port, component)) from None
+    return sock

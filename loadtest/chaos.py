@@ -102,7 +102,8 @@ class Load:
     async def user(self, max_requests: int) -> None:
         while not self.stopping and self.next < max_requests:
             self.next += 1
-            await self.one(self.next - 1)
+            if not (await self.one(self.next - 1)).ok:
+                await asyncio.sleep(1.0)  # as a client would, not a retry storm
 
     async def warm_up(self, prompts: int) -> None:
         """Each prompt once, undisturbed: the right answers."""

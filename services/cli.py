@@ -218,6 +218,9 @@ def _add_router(subparsers: Any) -> None:
                    help="a request's headers must arrive within this (else 408)")
     p.add_argument("--body-timeout-s", type=float, default=30.0,
                    help="a request's body must arrive within this after its headers (else 408)")
+    p.add_argument("--fd", type=int, default=None,
+                   help="serve on this inherited listening socket instead of binding --host/--port "
+                        "(pdserve up holds the port across router restarts)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run_router)
 
@@ -239,8 +242,9 @@ def _run_router(args: argparse.Namespace) -> int:
                           max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
                           body_timeout_s=args.body_timeout_s)
     try:
-        bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads
-        serve(create_app(config), config, args.host, args.port, log_level=args.log_level.lower())
+        if args.fd is None:
+            bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads
+        serve(create_app(config), config, args.host, args.port, log_level=args.log_level.lower(), fd=args.fd)
     except PortInUseError as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 1

@@ -21,14 +21,15 @@ import sys
 import uuid
 from collections.abc import Mapping
 
-from kvstore.ports import PortInUseError, port_free, port_in_use_message
+from kvstore.ports import PortInUseError, listen, port_free, port_in_use_message
 
 INSTANCE_ENV = "PDSERVE_INSTANCE_ID"
 PORT_RANGE = (20000, 32767)  # below the ephemeral range (32768..60999 on Linux)
 
 
 __all__ = ["INSTANCE_ENV", "PortInUseError", "check_ports_free", "cli", "describe_exit", "free_port",
-           "free_ports", "instance_id", "new_instance_id", "port_free", "port_in_use_message", "spawn"]
+           "free_ports", "instance_id", "listen", "new_instance_id", "port_free", "port_in_use_message",
+           "spawn"]
 
 
 def instance_id() -> str:

@@ -73,6 +73,7 @@ class ChildSpec:
     cpus: frozenset[int] | None = None
     critical: bool = False
     alive: Callable[[], bool] | None = None  # liveness: does the process still answer at all?
+    pass_fds: tuple[int, ...] = ()  # file descriptors it inherits (a listening socket)
 
 
 class FatalChildError(RuntimeError):
@@ -138,7 +139,7 @@ class Supervisor:
     def _spawn(self, spec: ChildSpec) -> tuple[subprocess.Popen[bytes], str, float]:
         instance = new_instance_id()
         proc = spawn(list(spec.argv), env=spec.env, cpus=set(spec.cpus) if spec.cpus else None,
-                     instance=instance)
+                     instance=instance, pass_fds=spec.pass_fds)
         return proc, instance, time.monotonic()
 
     def wait_ready(self, name: str, deadline: float, poll_s: float = 0.2) -> None:

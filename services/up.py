@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import DEFAULT_MODEL
-from services.procs import PortInUseError, check_ports_free, cli
+from services.procs import PortInUseError, check_ports_free, cli, listen
 from services.readiness import (
     router_alive,
     router_ready,
@@ -149,8 +149,9 @@ def _ports(args: argparse.Namespace) -> dict[int, str]:
     return ports
 
 
-def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], ChildSpec]:
-    """The store and workers (in start order), and the router."""
+def _specs(args: argparse.Namespace, folder: str, router_fd: int) -> tuple[list[ChildSpec], ChildSpec]:
+    """The store and workers (in start order), and the router (on the listening socket
+    `router_fd`, which `up` holds: clients connecting while the router restarts wait)."""
     h = args.host
     store = f"grpc://{h}:{args.kvstore_port}"
     common = _worker_args(args, folder, store)
@@ -171,7 +172,7 @@ def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], Chil
                                   parse_cpus(args.decode_cpus)))
     router = ["router", "--model", args.model, "--tokenizer", folder, "--host", h,
               "--port", str(args.port), "--policy", args.policy,
-              "--local-prefill-tokens", str(args.local_prefill_tokens)]
+              "--local-prefill-tokens", str(args.local_prefill_tokens), "--fd", str(router_fd)]
     for spec in specs:
         if spec.kind != "kvstore":
             router += [f"--{'decode' if spec.kind == 'colocated' else spec.kind}", spec.target]
@@ -184,7 +185,7 @@ def _specs(args: argparse.Namespace, folder: str) -> tuple[list[ChildSpec], Chil
     url = f"http://{h}:{args.port}"
     router_spec = ChildSpec("router", "router", cli(*router), router_ready(url), target=f"{h}:{args.port}",
                             env=env, cpus=_frozen(parse_cpus(args.router_cpus)), critical=True,
-                            alive=router_alive(url))
+                            alive=router_alive(url), pass_fds=(router_fd,))
     return specs, router_spec
 
 
@@ -208,6 +209,7 @@ def run_up(args: argparse.Namespace) -> int:
         parse_cpus(text)  # bad lists fail before anything starts
     try:
         check_ports_free(args.host, _ports(args))
+        router_socket = listen(args.host, args.port, "router")  # held for every router incarnation
     except PortInUseError as e:
         print(f"pdserve up: {e}; nothing was started", file=sys.stderr)
         return 1
@@ -218,7 +220,7 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     sup = Supervisor(RestartPolicy(budget=args.restart_budget, window_s=args.restart_window_s),
                      state_file=args.state_file)
-    specs, router = _specs(args, folder)
+    specs, router = _specs(args, folder, router_socket.fileno())
     scaler: Any = None
     deadline = time.monotonic() + args.startup_timeout_s
     try:
@@ -245,6 +247,7 @@ def run_up(args: argparse.Namespace) -> int:
             scaler.stop()  # drains and stops the workers it started
         # The router first (no new requests), then the workers (they drain), then the store.
         sup.stop_all([["router"], ["prefill", "decode", "colocated"], ["kvstore"]])
+        router_socket.close()
 
 
 def _print_up(args: argparse.Namespace, specs: list[ChildSpec]) -> None:

@@ -10,7 +10,7 @@
   `body_timeout_s` of its headers; else 408 and the connection closes. Idle keep-alive
   connections close after uvicorn's keep-alive timeout. Slow-loris clients hold nothing long.
 - `serve(app, config, host, port)`: uvicorn on a socket bound here, exclusively (a taken port is a
-  PortInUseError naming it and the router, before anything starts).
+  PortInUseError naming it and the router, before anything starts), or on one a launcher holds.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.procs import PortInUseError, port_in_use_message
+from kvstore.ports import listen
 from services.router.config import RouterConfig
 from services.router.openai_models import error_body
 
@@ -164,21 +164,20 @@ def uvicorn_config(app: ASGIApp, config: RouterConfig, log_level: str = "warning
 
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket on host:port that no one else listens on (no SO_REUSEPORT)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise PortInUseError(port_in_use_message(host, port, "router")) from None
+    sock = listen(host, port, "router")
     sock.setblocking(False)
     return sock
 
 
-def serve(app: ASGIApp, config: RouterConfig, host: str, port: int, log_level: str = "warning") -> None:
-    """Runs the router until SIGINT / SIGTERM (uvicorn's handling)."""
-    sock = bind(host, port)
+def serve(app: ASGIApp, config: RouterConfig, host: str, port: int, log_level: str = "warning",
+          fd: int | None = None) -> None:
+    """Runs the router until SIGINT / SIGTERM (uvicorn's handling), on host:port or on the
+    listening socket `fd` a launcher passed down (it keeps the port open while the router
+    restarts: clients that connect meanwhile wait in the backlog instead of being refused)."""
+    if fd is not None:
+        sock = socket.socket(fileno=fd)
+        sock.setblocking(False)
+    else:
+        sock = bind(host, port)
     server = uvicorn.Server(uvicorn_config(app, config, log_level))
     server.run(sockets=[sock])

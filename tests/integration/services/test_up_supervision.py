@@ -133,3 +133,17 @@ def test_a_component_on_a_taken_port_exits_1_naming_it(up: Up, what: str) -> Non
     lines = [line for line in done.stderr.splitlines() if "already in use" in line]
     assert len(lines) == 1 and f"port {port} (" in lines[0], done.stderr[-2000:]
     assert complete(up)
+
+
+def test_requests_sent_while_the_router_restarts_wait_for_it_instead_of_failing(up: Up) -> None:
+    """`up` holds the router's listening socket across its restarts: connections made while no
+    router runs wait in the backlog and are served by the next one (no connection refused)."""
+    import concurrent.futures
+
+    want = complete(up)
+    old = up.component("router")
+    os.kill(int(old["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(lambda _: complete(up), range(3)))  # max_retries=0: no retry hides it
+    assert texts == [want] * 3
+    assert up.component("router")["pid"] != old["pid"]
