@@ -235,16 +235,16 @@ class Dispatcher:
             worker = pick.worker
             tried.add(worker.target)
             self.prefill.acquire(worker, hashes)
+            done = False
             try:
-                result = None
                 async with aclosing(self._prefill_on(worker, request_id, prompt_ids, params,
                                                      announce=not announced)) as items:
                     async for item in items:
-                        if isinstance(item, PrefillResult):
-                            result = item
-                        else:
-                            announced = True
-                            yield item
+                        announced = announced or isinstance(item, Step)
+                        done = isinstance(item, PrefillResult)
+                        if done:
+                            self._on_decision("disaggregated")
+                        yield item
             except WorkerError as e:
                 if e.kind == "invalid":
                     raise
@@ -255,10 +255,8 @@ class Dispatcher:
                 continue
             finally:
                 self.prefill.release(worker)
-            assert result is not None
-            self._on_decision("disaggregated")
-            yield result
-            return
+            if done:
+                return
         self._on_decision("fallback")
 
     async def _prefill_on(self, worker: WorkerState, request_id: str, prompt_ids: list[int],

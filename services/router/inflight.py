@@ -12,12 +12,12 @@ more into the client's stream, and it aborts the request when it sees the cancel
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 from collections.abc import Callable
 from typing import Literal
 
+from services.router.background import Background
 from services.worker.client import WorkerError
 
 Why = Literal["stalled", "unhealthy"]
@@ -62,7 +62,7 @@ class InFlight:
     def __init__(self, stall_timeout_s: float) -> None:
         self.stall_timeout_s = stall_timeout_s
         self._attempts: set[Attempt] = set()
-        self._task: asyncio.Task[None] | None = None
+        self._watcher = Background(self._watch)
 
     def add(self, attempt: Attempt) -> Attempt:
         self._attempts.add(attempt)
@@ -87,15 +87,10 @@ class InFlight:
             a.end("stalled", f"no output or heartbeat for {now - a.last:.1f} s (stall timeout {limit:g} s)")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._watch())
+        self._watcher.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._watcher.stop()
 
     async def _watch(self) -> None:
         while True:

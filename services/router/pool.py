@@ -31,7 +31,6 @@ Policies:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import socket
@@ -41,6 +40,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from protos import worker_pb2 as pb
+from services.router.background import Background
 from services.router.prefix_index import PrefixIndex
 from services.worker.client import WorkerClient, WorkerError
 
@@ -142,19 +142,14 @@ class WorkerPool:
         self._discovered: set[str] = set()  # every address a name ever resolved to
         self._resolver = resolver or _getaddrinfo
         self._resolved_at = -math.inf
-        self._task: asyncio.Task[None] | None = None
+        self._refresher = Background(self._refresh_forever)
 
     # --- background refresh -------------------------------------------------------------------
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._refresh_forever())
+        self._refresher.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._refresher.stop()
         await asyncio.gather(*(w.client.close() for w in self.workers))
 
     async def _refresh_forever(self) -> None:
@@ -243,7 +238,7 @@ class WorkerPool:
             w = WorkerState(WorkerClient(target), PrefixIndex(self.options.block_size), healthy=False)
             self.workers.append(w)
             logger.warning("%s worker %s added", self.role, target)
-            if self._task is not None:
+            if self._refresher.running:
                 asyncio.get_running_loop().create_task(self._refresh_one(w))
         w.draining = False
         return w
