@@ -49,12 +49,16 @@ def start_worker(model_dir: Path, store: KVStoreService) -> StartWorker:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def workers(start_worker: StartWorker) -> AsyncIterator[dict[str, WorkerServer]]:
-    """One worker of each role, by role name."""
-    started: dict[str, WorkerServer] = {}
+    """One worker of each role, by role name (started together: their engine cores load at once)."""
+    import asyncio
+
+    started = await asyncio.gather(*(start_worker(role) for role in ROLES), return_exceptions=True)
+    servers = {role: s for role, s in zip(ROLES, started, strict=True) if isinstance(s, WorkerServer)}
     try:
-        for role in ROLES:
-            started[role] = await start_worker(role)
-        yield started
+        for s in started:
+            if isinstance(s, BaseException):
+                raise s
+        yield servers
     finally:
-        for server in started.values():
+        for server in servers.values():
             await server.stop(grace_s=1.0)

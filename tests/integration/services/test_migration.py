@@ -26,7 +26,7 @@ from tests.integration.services.router_util import ServedRouter
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny"
 PROMPTS = [f"Stream number {i} tells a long story about" for i in range(6)]
-NEW_TOKENS = 300
+NEW_TOKENS = 200
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def fuzz_operation(operation: Any, label: str, mode: GenerationMode, session: re
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def router(start_worker: StartWorker, model_dir: Path) -> AsyncIterator[ServedRouter]:
     """The router over one prefill and one decode worker (the KV store between them)."""
-    prefill, decode = await start_worker("prefill"), await start_worker("decode")
+    prefill, decode = await asyncio.gather(start_worker("prefill"), start_worker("decode"))
     try:
         dispatch = DispatchOptions(prefill=(prefill.target,), decode=(decode.target,), prefill_timeout_s=30,
                                    decode_timeout_s=60)
