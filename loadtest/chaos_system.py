@@ -26,7 +26,7 @@ from typing import Any
 
 import psutil
 
-from services.procs import free_ports
+from services.procs import free_ports, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 ACTIONS = {"kill": signal.SIGKILL, "freeze": signal.SIGSTOP, "restart": signal.SIGTERM}
@@ -188,14 +188,7 @@ class System:
 
     def stop(self) -> int:
         self.note_pids()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        return int(self.proc.returncode)
+        return stop_process(self.proc, timeout_s=120)
 
     def orphans(self) -> list[int]:
         """Processes of this run still alive after `pdserve up` stopped."""

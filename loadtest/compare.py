@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +36,7 @@ from typing import Any
 
 from loadtest import report
 from loadtest.run import ROOT, add_run_args, describe, run_locust, spec_from_args
+from services.procs import stop_process
 
 VLLM_PYTHON = ROOT / ".peers" / "vllm" / "bin" / "python"
 
@@ -70,13 +70,7 @@ class Server:
                 raise RuntimeError(f"{self.name} did not come up (exit {self.proc.poll()}); see {self.log}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_process(self.proc, timeout_s=90)
 
 
 SETUPS = ("colocated", "disaggregated", "disaggregated-fcfs", "vllm-pd")

@@ -9,6 +9,7 @@ actuator share.
   it reached the process just started and not another one on the same port.
 - `check_ports_free({port: "decode worker 0"})`: a one-line error naming the first port in use.
 - `free_port()`: a free loopback port below 32768, outside Linux's ephemeral range.
+- `stop_process(proc)`: a signal (SIGINT by default), a bounded wait, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Mapping
+from typing import Any
 
 from kvstore.ports import PortInUseError, listen, port_free, port_in_use_message
 
@@ -29,7 +31,7 @@ PORT_RANGE = (20000, 32767)  # below the ephemeral range (32768..60999 on Linux)
 
 __all__ = ["INSTANCE_ENV", "PortInUseError", "check_ports_free", "cli", "describe_exit", "free_port",
            "free_ports", "instance_id", "listen", "new_instance_id", "port_free", "port_in_use_message",
-           "spawn"]
+           "spawn", "stop_process"]
 
 
 def instance_id() -> str:
@@ -105,3 +107,17 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"signal {-code}"
     return f"code {code}"
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGINT, timeout_s: float = 60) -> int:
+    """Sends `sig` to a running `proc` (after SIGCONT, so a frozen one sees it), waits up to
+    `timeout_s`, then kills it. Returns its exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGCONT)
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+    return int(proc.returncode)

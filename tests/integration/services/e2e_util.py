@@ -4,7 +4,6 @@ uvicorn in a thread, and bounded polling of a worker's load report."""
 from __future__ import annotations
 
 import asyncio
-import signal
 import subprocess
 import sys
 import threading
@@ -12,7 +11,7 @@ import time
 from pathlib import Path
 
 from protos import worker_pb2 as pb
-from services.procs import free_ports
+from services.procs import free_ports, stop_process
 from services.worker.client import WorkerClient
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -73,14 +72,7 @@ class PdserveUp:
     def stop(self) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        return self.proc.returncode
+        return stop_process(self.proc)
 
 
 async def wait_for_load(target: str, want_free_blocks: int, timeout_s: float) -> pb.LoadReport:

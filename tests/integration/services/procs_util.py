@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from services.procs import cli, free_port, spawn
+from services.procs import cli, free_port, spawn, stop_process
 from services.readiness import store_ready, worker_ready
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -48,14 +48,7 @@ class Proc:
         return core_of(self.pid)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc, signal.SIGTERM, timeout_s=20)
 
 
 def worker_proc(role: str, model_dir: Path, store_url: str, *extra: str, port: int | None = None,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.procs import free_ports
+from services.procs import free_ports, stop_process
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -66,10 +66,4 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open"
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
+        stop_process(proc)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from services.procs import free_ports
+from services.procs import free_ports, stop_process
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -55,14 +55,7 @@ class Up:
         return OpenAI(base_url=f"http://127.0.0.1:{self.router}/v1", api_key="x", timeout=60, max_retries=0)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        return int(self.proc.returncode)
+        return stop_process(self.proc, timeout_s=90)
 
 
 @pytest.fixture(scope="module")
