@@ -136,6 +136,9 @@ def _add_worker(subparsers: Any) -> None:
                    help="on SIGTERM, how long in-flight calls may finish")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="let several worker processes share --port (SO_REUSEPORT); by default a "
+                        "taken port is an error")
     g = p.add_argument_group("health (the engine core is watched; see docs/operations.md)")
     g.add_argument("--heartbeat-s", type=float, default=1.0,
                    help="a Decode stream with nothing new gets an empty chunk this often")
@@ -178,7 +181,8 @@ def _run_worker(args: argparse.Namespace) -> int:
     guard = GuardOptions(unready_after_s=args.core_unready_s, silence_s=args.core_silence_s,
                          step_timeout_s=args.step_timeout_s, max_restarts=args.max_engine_restarts)
     options = WorkerOptions(role=args.role, engine=engine, host=args.host, port=port, grace_s=args.grace_s,
-                            metrics_port=args.metrics_port, heartbeat_s=args.heartbeat_s, guard=guard)
+                            metrics_port=args.metrics_port, heartbeat_s=args.heartbeat_s,
+                            reuse_port=args.reuse_port, guard=guard)
     try:
         return asyncio.run(serve(options))
     except PortInUseError as e:

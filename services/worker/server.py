@@ -76,6 +76,7 @@ class WorkerOptions:
     grace_s: float = 10.0  # how long shutdown waits for in-flight calls
     metrics_port: int | None = None  # Prometheus /metrics on `host`; None = off, 0 = any free port
     heartbeat_s: float = 1.0  # an idle Decode stream gets an empty chunk this often
+    reuse_port: bool = False  # SO_REUSEPORT: several worker processes share `port` (asked for only)
     guard: GuardOptions = field(default_factory=GuardOptions)
 
     def __post_init__(self) -> None:
@@ -301,12 +302,13 @@ class WorkerServer:
         if o.metrics_port is not None:
             self.metrics = WorkerMetrics(o.engine.model, o.role, self._stats_for_scrape)
         what = f"{o.role} worker"
-        for port, name in ((o.port, what), (o.metrics_port, f"{what} metrics")):
+        checked = ((o.port, what),) if not o.reuse_port else ()
+        for port, name in (*checked, (o.metrics_port, f"{what} metrics")):
             if port and not port_free(o.host, port):
                 raise PortInUseError(port_in_use_message(o.host, port, name))
-        # No SO_REUSEPORT: gRPC would otherwise let a second worker share a taken port.
+        # No SO_REUSEPORT unless asked: gRPC would otherwise let a second worker share a taken port.
         self.server = grpc.aio.server(interceptors=[self.metrics.interceptor] if self.metrics else None,
-                                      options=[("grpc.so_reuseport", 0)])
+                                      options=[("grpc.so_reuseport", int(o.reuse_port))])
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
