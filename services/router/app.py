@@ -45,6 +45,7 @@ from services.router.openai_models import (
     models_body,
 )
 from services.router.render import Reply, respond
+from services.router.unsupported import log_ignored
 
 __all__ = ["RouterConfig", "create_app"]
 
@@ -112,24 +113,26 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     @app.post("/v1/completions", response_model=None, responses=OPENAI_RESPONSES)
     async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
         _check_model(config, body.model)
+        log_ignored("completions", body.model_extra)
         gen = state["gen"]
         ids = (gen.check_token_ids(body.prompt, "prompt") if isinstance(body.prompt, list)
                else await gen.tokenize(body.prompt, "prompt"))
         params = gen.params(len(ids), body.max_tokens if body.max_tokens is not None else 16,
                             body.sampling_kwargs(), body.logprobs)
         reply = Reply(gen, body.model, f"cmpl-{uuid.uuid4().hex}", len(ids), body.n, False,
-                      body.include_usage)
+                      body.include_usage, body.continuous_usage)
         return await _run(reply, ids, params, body.stop_strings, body.stream)
 
     @app.post("/v1/chat/completions", response_model=None, responses=OPENAI_RESPONSES)
     async def chat(body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         _check_model(config, body.model)
+        log_ignored("chat.completions", body.model_extra)
         gen = state["gen"]
         ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages")
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = gen.params(len(ids), body.token_limit, body.sampling_kwargs(), top)
         reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", len(ids), body.n, True,
-                      body.include_usage)
+                      body.include_usage, body.continuous_usage)
         return await _run(reply, ids, params, body.stop_strings, body.stream)
 
     # Added before the API key check, so that check (outside it) still sees every request; the

@@ -1,13 +1,15 @@
 """OpenAI request bodies (pydantic, validated at the edge) and the response / chunk bodies.
 
-Validation errors name the field; the app turns them into 400 OpenAI error bodies.
+Validation errors name the field; the app turns them into 400 OpenAI error bodies. Fields of
+the OpenAI / vLLM APIs that are not implemented yet are refused with a 400 naming them
+(services/router/unsupported.py); fields neither API defines are ignored with a debug log line.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,6 +25,8 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     field_validator,
 )
+
+from services.router import unsupported
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -47,12 +51,22 @@ TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_json_integer)]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: with include_usage, usage in every chunk
+
+
+if TYPE_CHECKING:
+    _CompletionRefused = BaseModel
+    _ChatRefused = BaseModel
+else:
+    _CompletionRefused = unsupported.fields_model("_CompletionRefused", unsupported.COMPLETION)
+    _ChatRefused = unsupported.fields_model("_ChatRefused", unsupported.CHAT)
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra for the debug line, then ignored
 
     model: StrictStr
+    user: StrictStr | None = None  # OpenAI's end-user id: accepted, used and logged nowhere
     max_tokens: TokenCount | None = None
     temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)  # strict: ints, not strings or bools
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
@@ -98,8 +112,13 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM's continuous_usage_stats, with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-class CompletionRequest(_SamplingFields):
+
+class CompletionRequest(_SamplingFields, _CompletionRefused):
     prompt: (Annotated[StrictStr, Field(min_length=1)]
              | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)])  # text or token ids
     logprobs: TopLogprobs | None = None
@@ -116,6 +135,9 @@ class CompletionRequest(_SamplingFields):
                 pass  # JSON integers written as 2.0, or a real error: named below
         if isinstance(v, str | list) and not v:
             raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and any(isinstance(p, str | list) for p in v):
+            raise ValueError("a batch of prompts (a list of strings or of token-id lists) is not "
+                             "supported by this server yet; send one prompt per request")
         if isinstance(v, list):
             ids = _token_ids(v)
             if min(ids) < 0:
@@ -153,11 +175,12 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, _ChatRefused):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
+    parallel_tool_calls: StrictBool | None = None  # only means something with tools (refused for now)
 
     @property
     def token_limit(self) -> int | None:

@@ -39,6 +39,7 @@ class Reply:
     n: int
     chat: bool
     include_usage: bool
+    continuous_usage: bool = False  # every chunk carries usage so far (vLLM's continuous_usage_stats)
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, chunk: bool
              ) -> dict[str, Any]:
@@ -96,11 +97,12 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
                     started.add(delta.index)
                     role = {"index": delta.index, "delta": {"role": "assistant", "content": ""},
                             "logprobs": None, "finish_reason": None}
-                    role_event = _sse(reply.body([role], None, chunk=True))
+                    role_event = _sse(reply.body([role], _so_far(reply, 0), chunk=True))
                 if delta.finish_reason:
                     finals[delta.index] = delta
                 choice = _choice(reply, delta, stream=True)
-                yield role_event + _sse(reply.body([choice], None, chunk=True))
+                usage = _so_far(reply, delta.completion_tokens, delta.cached_tokens)
+                yield role_event + _sse(reply.body([choice], usage, chunk=True))
                 delta = await anext(deltas, None)
     except (WorkerError, NoWorkerError) as e:
         error = from_dispatch(e, reply.gen.config.retry_after_s)
@@ -125,6 +127,14 @@ def _full_body(reply: Reply, deltas: Sequence[Delta]) -> dict[str, Any]:
         choices.append(_choice(reply, merged, stream=False))
     finals = [d for d in deltas if d.finish_reason]
     return reply.body(choices, _usage(reply.prompt_len, finals), chunk=False)
+
+
+def _so_far(reply: Reply, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any] | None:
+    """A chunk's usage: None, or with continuous usage the prompt and this sample's tokens so far
+    (as vLLM counts them per choice)."""
+    if not reply.continuous_usage:
+        return None
+    return usage_body(reply.prompt_len, completion_tokens, cached_tokens)
 
 
 def _usage(prompt_len: int, finals: Any) -> dict[str, Any]:

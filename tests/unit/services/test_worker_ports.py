@@ -9,7 +9,8 @@ from services.procs import PortInUseError, free_port
 from services.worker.server import WorkerOptions, WorkerServer
 
 
-def test_a_taken_worker_port_is_refused_unless_reuse_port_is_asked_for() -> None:
+@pytest.mark.asyncio  # a gRPC aio server is built inside a running loop
+async def test_a_taken_worker_port_is_refused_unless_reuse_port_is_asked_for() -> None:
     port = free_port()
     first = WorkerServer(WorkerOptions(role="decode", port=port))  # binds its port when built
     assert first.port == port

@@ -1,0 +1,146 @@
+"""Request fields of the OpenAI and vLLM APIs that pdserve does not implement yet.
+
+A request that uses one gets a 400 in OpenAI's error format whose `param` names the field, never
+a 200 that silently ignores it (a client banning a token with `logit_bias` must not get it back
+unbanned). A field sent with its no-op value (`"echo": false`, `"logit_bias": {}`,
+`"priority": 0`, `"response_format": {"type": "text"}`, `"tool_choice": "none"`, ...) asks for
+nothing the server does not do and is accepted. Fields outside both APIs' request schemas are
+ignored, as vLLM does, with a debug log line (`log_ignored`).
+
+When a field is implemented, it leaves these tables and becomes a typed field of the request
+model in openai_models.py.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator
+
+log = logging.getLogger(__name__)
+
+NoOp = Callable[[Any], bool]
+
+
+def _absent(v: Any) -> bool:
+    return v is None
+
+
+def _empty(v: Any) -> bool:
+    return v is None or (isinstance(v, list | dict | str) and len(v) == 0)
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _true(v: Any) -> bool:
+    return v is None or v is True
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (type(v) in (int, float) and v == 0)
+
+
+def _one(v: Any) -> bool:
+    return v is None or (type(v) in (int, float) and v == 1)
+
+
+def _text_format(v: Any) -> bool:
+    return v is None or v == {"type": "text"}
+
+
+def _no_tool_choice(v: Any) -> bool:
+    return v is None or v in ("none", "auto")  # "auto" with no tools chooses none
+
+
+def _text_modality(v: Any) -> bool:
+    return v is None or v == ["text"]
+
+
+# Field -> (its no-op test, what a client would expect it to do).
+_SAMPLING: dict[str, tuple[NoOp, str]] = {
+    "logit_bias": (_empty, "biases token logits"),
+    "allowed_token_ids": (_empty, "restricts sampling to the given token ids"),
+    "bad_words": (_empty, "bans words"),
+    "prompt_logprobs": (_absent, "returns the prompt's logprobs"),
+    "include_stop_str_in_output": (_false, "keeps the stop string in the output"),
+    "skip_special_tokens": (_true, "keeps special tokens in the text when false"),
+    "spaces_between_special_tokens": (_true, "joins special tokens without spaces when false"),
+    "priority": (_zero, "sets the request's scheduling priority"),
+    "truncate_prompt_tokens": (_absent, "truncates the prompt"),
+    "use_beam_search": (_false, "runs beam search"),
+    "length_penalty": (_one, "weighs beam-search lengths"),
+    "logits_processors": (_empty, "runs custom logits processors"),
+    "return_tokens_as_token_ids": (_false, "returns tokens as token ids"),
+    "structured_outputs": (_empty, "constrains the output (structured outputs)"),
+    "guided_json": (_absent, "constrains the output to a JSON schema"),
+    "guided_regex": (_absent, "constrains the output to a regex"),
+    "guided_choice": (_absent, "constrains the output to a choice"),
+    "guided_grammar": (_absent, "constrains the output to a grammar"),
+    "guided_decoding_backend": (_absent, "picks a structured-output backend"),
+    "guided_whitespace_pattern": (_absent, "sets structured outputs' whitespace"),
+    "response_format": (_text_format, "constrains the output format"),
+    "cache_salt": (_absent, "isolates the request's prefix cache"),
+    "kv_transfer_params": (_absent, "takes part in an external KV transfer"),
+    "vllm_xargs": (_empty, "passes extra arguments to custom extensions"),
+}
+
+COMPLETION: dict[str, tuple[NoOp, str]] = {
+    **_SAMPLING,
+    "echo": (_false, "echoes the prompt"),
+    "suffix": (_empty, "inserts a completion before a suffix"),
+    "best_of": (_one, "samples best_of and returns the n best"),
+}
+
+CHAT: dict[str, tuple[NoOp, str]] = {
+    **_SAMPLING,
+    "echo": (_false, "echoes the last message"),
+    "tools": (_empty, "offers tools (tool calling)"),
+    "tool_choice": (_no_tool_choice, "asks for a tool call"),
+    "functions": (_empty, "offers functions (function calling)"),
+    "function_call": (_no_tool_choice, "asks for a function call"),
+    "add_generation_prompt": (_true, "leaves out the assistant prompt when false"),
+    "continue_final_message": (_false, "continues the last assistant message"),
+    "chat_template": (_absent, "replaces the model's chat template"),
+    "chat_template_kwargs": (_empty, "passes arguments to the chat template"),
+    "documents": (_empty, "passes documents to the chat template"),
+    "mm_processor_kwargs": (_empty, "passes arguments to a multimodal processor"),
+    "modalities": (_text_modality, "asks for audio output"),
+    "audio": (_absent, "asks for audio output"),
+    "prediction": (_absent, "uses predicted outputs"),
+    "web_search_options": (_absent, "searches the web"),
+    "best_of": (_one, "samples best_of and returns the n best"),
+}
+
+
+def fields_model(name: str, table: Mapping[str, tuple[NoOp, str]]) -> type[BaseModel]:
+    """A model with one optional field per entry of `table` (so the OpenAPI schema lists them),
+    each refused unless its value is the no-op; request models inherit it."""
+    def refuse(cls: type[BaseModel], v: Any, info: ValidationInfo) -> Any:
+        assert info.field_name is not None
+        return check(table, info.field_name, v)
+
+    fields: dict[str, Any] = {
+        field: (Any, Field(default=None, description=f"not supported yet: 400 unless it asks for "
+                                                     f"nothing (it {what})"))
+        for field, (_, what) in table.items()}
+    validators: dict[str, Any] = {"refuse": field_validator(*table, mode="after")(classmethod(refuse))}
+    model: type[BaseModel] = create_model(name, __validators__=validators, **fields)
+    return model
+
+
+def check(table: Mapping[str, tuple[NoOp, str]], name: str, value: Any) -> Any:
+    """`value` when it is `name`'s no-op; else a ValueError saying the field is not supported."""
+    no_op, what = table[name]
+    if not no_op(value):
+        raise ValueError(f"not supported by this server yet (it {what}); leave {name} out")
+    return value
+
+
+def log_ignored(endpoint: str, extra: Mapping[str, Any] | None) -> None:
+    """A debug line naming the fields of a request that neither API defines (ignored, as vLLM)."""
+    if extra and log.isEnabledFor(logging.DEBUG):
+        log.debug("%s: ignored unknown fields %s", endpoint, sorted(extra)[:20])

@@ -1,0 +1,149 @@
+"""Request fields through the official `openai` client against the router over a colocated worker:
+every OpenAI / vLLM field the server does not implement yet is refused with a 400 whose `param`
+names it (never a silent 200); the same fields with their no-op values, `user` and unknown fields
+are accepted and change nothing; a batch of prompts gets a 400 saying so; vLLM's
+`stream_options.continuous_usage_stats` puts the usage so far in every chunk."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import pytest_asyncio
+
+from services.router import unsupported
+from services.router.app import RouterConfig
+from services.router.dispatch import DispatchOptions
+from services.worker.server import WorkerServer
+from tests.integration.services.conftest import StartWorker
+from tests.integration.services.router_util import ServedRouter
+
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+MODEL = "tiny"
+PROMPT = "The capital of France is"
+MESSAGES: list[Any] = [{"role": "user", "content": "Name a colour."}]
+
+# A value of each refused field that asks for something (its no-op value is accepted, below).
+USED: dict[str, Any] = {
+    "logit_bias": {"5": -100}, "allowed_token_ids": [5, 6], "bad_words": ["the"], "prompt_logprobs": 1,
+    "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "spaces_between_special_tokens": False, "priority": 3, "truncate_prompt_tokens": 4,
+    "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["my.module:proc"],
+    "return_tokens_as_token_ids": True, "structured_outputs": {"regex": "[a-z]+"},
+    "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
+    "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ", "response_format": {"type": "json_object"}, "cache_salt": "s",
+    "kv_transfer_params": {"do_remote_prefill": True}, "vllm_xargs": {"k": 1}, "echo": True,
+    "suffix": " and that is all.", "best_of": 3,
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "required", "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "function_call": {"name": "f"}, "add_generation_prompt": False, "continue_final_message": True,
+    "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False},
+    "documents": [{"title": "t", "text": "x"}], "mm_processor_kwargs": {"k": 1},
+    "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
+    "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+}
+NO_OP: dict[str, Any] = {
+    "logit_bias": {}, "echo": False, "priority": 0, "response_format": {"type": "text"},
+    "skip_special_tokens": True, "include_stop_str_in_output": False, "best_of": 1, "bad_words": [],
+    "user": "user-1234", "some_unknown_field": {"x": 1},
+}
+CHAT_NO_OP = {"tool_choice": "none", "tools": [], "add_generation_prompt": True,
+              "chat_template_kwargs": {}, "modalities": ["text"], "parallel_tool_calls": True}
+
+
+def test_every_refused_field_is_tried() -> None:
+    assert set(USED) == set(unsupported.COMPLETION) | set(unsupported.CHAT)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def worker(start_worker: StartWorker) -> AsyncIterator[WorkerServer]:
+    server = await start_worker("colocated")
+    try:
+        yield server
+    finally:
+        await server.stop(grace_s=1.0)
+
+
+@pytest.fixture(scope="module")
+def router(worker: WorkerServer, model_dir: Path) -> Iterator[ServedRouter]:
+    dispatch = DispatchOptions(decode=(worker.target,), decode_timeout_s=60)
+    with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
+                                   dispatch=dispatch)) as served:
+        yield served
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(router: ServedRouter) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=router.base_url, api_key="x", max_retries=0, timeout=60) as c:
+        yield c
+
+
+async def _create(client: openai.AsyncOpenAI, chat: bool, extra: dict[str, Any], **kw: Any) -> Any:
+    if chat:
+        return await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6,
+                                                    temperature=0, extra_body=extra, **kw)
+    return await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                           extra_body=extra, **kw)
+
+
+CASES = [(endpoint, field) for endpoint, table in (("completions", unsupported.COMPLETION),
+                                                   ("chat", unsupported.CHAT)) for field in table]
+
+
+@in_module_loop
+@pytest.mark.parametrize(("endpoint", "field"), CASES)
+async def test_an_unsupported_field_is_a_400_naming_it(client: openai.AsyncOpenAI, endpoint: str,
+                                                        field: str) -> None:
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            await _create(client, endpoint == "chat", {field: USED[field]}, stream=stream)
+        assert e.value.status_code == 400 and e.value.param == field
+        assert "not supported by this server yet" in e.value.message and field in e.value.message
+
+
+@in_module_loop
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_no_op_values_user_and_unknown_fields_are_accepted_and_change_nothing(
+        client: openai.AsyncOpenAI, chat: bool, caplog: pytest.LogCaptureFixture) -> None:
+    plain = await _create(client, chat, {})
+    extra = {**NO_OP, **(CHAT_NO_OP if chat else {})}
+    with caplog.at_level(logging.DEBUG, logger="services.router.unsupported"):
+        out = await _create(client, chat, extra)
+    text = (lambda r: r.choices[0].message.content) if chat else (lambda r: r.choices[0].text)
+    assert text(out) == text(plain) and text(out)
+    assert any("ignored unknown fields ['some_unknown_field']" in r.getMessage() for r in caplog.records)
+
+
+@in_module_loop
+@pytest.mark.parametrize("prompt", [["one", "two"], [[1, 2], [3, 4]]], ids=["strings", "token-lists"])
+async def test_a_batch_of_prompts_is_a_400_that_says_so(client: openai.AsyncOpenAI, prompt: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
+    assert e.value.param == "prompt" and "batch of prompts" in e.value.message
+
+
+@in_module_loop
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client: openai.AsyncOpenAI,
+                                                                          chat: bool) -> None:
+    stream = await _create(client, chat, {"ignore_eos": True}, stream=True,
+                           stream_options={"include_usage": True, "continuous_usage_stats": True})
+    chunks = [c async for c in stream]
+    final = chunks[-1]
+    assert not final.choices and final.usage is not None and final.usage.completion_tokens == 6
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert all(c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 6
+    if chat:
+        assert counts[0] == 0  # the role chunk: nothing generated yet
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+    plain = await _create(client, chat, {"ignore_eos": True}, stream=True,
+                          stream_options={"include_usage": True})  # usage in the last chunk only
+    plain_chunks = [c async for c in plain]
+    assert all(c.usage is None for c in plain_chunks[:-1]) and plain_chunks[-1].usage is not None
