@@ -107,15 +107,15 @@ class Processor:
             return None, list(prompt)  # type: ignore[arg-type]
         raise ValueError("prompt must be a string, a list of token ids or a list of chat messages")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        """The chat prompt text, ending with the assistant's generation prompt."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The chat prompt text, ending with the assistant's generation prompt (unless asked not to)."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise ValueError("chat messages must have 'role' and 'content'")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass a text prompt instead")
         text: str = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False)
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         return text
 
     def _validate(self, token_ids: list[int]) -> None:

@@ -45,6 +45,7 @@ from services.router.openai_models import (
     models_body,
 )
 from services.router.render import Reply, respond
+from services.router.tokens_api import tokens_router
 from services.router.unsupported import log_ignored
 
 __all__ = ["RouterConfig", "create_app"]
@@ -94,6 +95,19 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         return JSONResponse({"status": "ok" if ok else "unavailable", "pools": pools, "instance_id": me},
                             status_code=200 if ok else 503)
 
+    @app.get("/ping", responses=HEALTH_RESPONSES)
+    async def ping() -> JSONResponse:
+        """vLLM's /ping (SageMaker's probe): /health's status."""
+        return await health()
+
+    @app.post("/ping", responses=HEALTH_RESPONSES)
+    async def ping_post() -> JSONResponse:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _VERSION}
+
     @app.get("/livez")
     async def livez() -> dict[str, str]:
         """Liveness: 200 while the router's event loop answers (restarting it would not help a
@@ -105,10 +119,17 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         return Response(state["gen"].metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(admin_router(lambda: state["gen"].dispatcher))
+    app.include_router(tokens_router(config, lambda: state["gen"]))
 
     @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict[str, Any]:
         return models_body(config.model)
+
+    @app.get("/v1/models/{model_id:path}", responses=MODELS_RESPONSES)
+    async def model(model_id: str) -> dict[str, Any]:
+        _check_model(config, model_id)
+        card: dict[str, Any] = models_body(config.model)["data"][0]
+        return card
 
     @app.post("/v1/completions", response_model=None, responses=OPENAI_RESPONSES)
     async def completions(body: CompletionRequest) -> JSONResponse | StreamingResponse:
@@ -175,19 +196,32 @@ def _from_bytes(model: type[_Body], endpoint: Callable[[_Body], Awaitable[Respon
 
 
 def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """`/v1/*` and `/admin/*` answer 401 without `Authorization: Bearer <api_key>` (as vLLM's --api-key);
-    `/health` and `/metrics` stay open for probes and scrapers."""
+    """`/v1/*`, `/admin/*`, `/tokenize` and `/detokenize` answer 401 without `Authorization: Bearer
+    <api_key>` (as vLLM's --api-key); `/health`, `/ping`, `/livez`, `/version` and `/metrics` stay
+    open for probes and scrapers."""
     expected = f"Bearer {api_key}".encode()
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith(("/v1", "/admin")):
+        if request.url.path.startswith(("/v1", "/admin", "/tokenize", "/detokenize")):
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer "
                                         "<key>'", code="invalid_api_key").response()
         response: Response = await call_next(request)
         return response
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+_VERSION = _version()
 
 
 def _check_model(config: RouterConfig, model: str) -> None:

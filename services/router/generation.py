@@ -144,6 +144,35 @@ class Generator:
     def _pooled(self, prompt: Prompt) -> list[int]:
         return list(self._local.processor.preprocess(prompt)[1])
 
+    async def encode(self, prompt: str | list[dict[str, Any]], param: str, add_special_tokens: bool,
+                     add_generation_prompt: bool = True) -> list[int]:
+        """/tokenize: the token ids of a text or of chat messages (their template applied), in the
+        pool, with no length limit (the count is the answer). Errors on user text are 400s."""
+        def run() -> list[int]:
+            proc = self._local.processor
+            text = (prompt if isinstance(prompt, str)
+                    else proc.apply_chat_template(prompt, add_generation_prompt))
+            return list(proc.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        except Exception as e:  # the tokenizer or template refused the text
+            raise OpenAIError(400, f"{param}: cannot be tokenized: {type(e).__name__}: {e}"[:500],
+                              param) from e
+
+    async def decode(self, token_ids: list[int], param: str) -> tuple[str, list[str]]:
+        """/detokenize: the text of `token_ids` (special tokens kept) and each token's string."""
+        vocab = self.processor.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise OpenAIError(400, f"{param}: token id {bad} out of range [0, {vocab})", param)
+
+        def run() -> tuple[str, list[str]]:
+            tok = self._local.processor.tokenizer
+            return str(tok.decode(token_ids)), [str(s) for s in tok.convert_ids_to_tokens(token_ids)]
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+
     def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
         """A token-id prompt whose items pydantic already checked are ints: length and range only."""
         try:

@@ -2,7 +2,8 @@
 every OpenAI / vLLM field the server does not implement yet is refused with a 400 whose `param`
 names it (never a silent 200); the same fields with their no-op values, `user` and unknown fields
 are accepted and change nothing; a batch of prompts gets a 400 saying so; vLLM's
-`stream_options.continuous_usage_stats` puts the usage so far in every chunk."""
+`stream_options.continuous_usage_stats` puts the usage so far in every chunk; /tokenize gives the
+tokens generation prefills and /detokenize inverts it; /ping, /version, /v1/models/{id}."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import pytest_asyncio
@@ -147,3 +149,52 @@ async def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(clien
                           stream_options={"include_usage": True})  # usage in the last chunk only
     plain_chunks = [c async for c in plain]
     assert all(c.usage is None for c in plain_chunks[:-1]) and plain_chunks[-1].usage is not None
+
+
+@in_module_loop
+async def test_tokenize_gives_the_tokens_generation_prefills_and_detokenize_inverts_it(
+        client: openai.AsyncOpenAI, router: ServedRouter) -> None:
+    completion = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1)
+    chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1)
+    assert completion.usage is not None and chat.usage is not None
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+        text = (await http.post("/tokenize", json={"model": MODEL, "prompt": PROMPT})).json()
+        assert text["count"] == len(text["tokens"]) == completion.usage.prompt_tokens
+        assert text["max_model_len"] == 512 and text["token_strs"] is None
+        msgs = (await http.post("/tokenize", json={"messages": MESSAGES, "return_token_strs": True})).json()
+        assert msgs["count"] == chat.usage.prompt_tokens and len(msgs["token_strs"]) == msgs["count"]
+        bare = (await http.post("/tokenize", json={"messages": MESSAGES,
+                                                    "add_generation_prompt": False})).json()
+        assert bare["count"] < msgs["count"] and msgs["tokens"][:bare["count"]] == bare["tokens"]
+
+        for sample in (PROMPT, "Ünïcödé, emoji 🙂 and\ttabs\nnew lines"):
+            ids = (await http.post("/tokenize", json={"prompt": sample, "add_special_tokens": False})).json()
+            back = (await http.post("/detokenize", json={"model": MODEL, "tokens": ids["tokens"]})).json()
+            assert back == {"prompt": sample}
+
+        for path, body, status, param in [
+                ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+                ("/tokenize", {"prompt": ""}, 400, "prompt"),
+                ("/tokenize", {"messages": []}, 400, "messages"),
+                ("/tokenize", ["not", "an", "object"], 400, None),
+                ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+                ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+                ("/detokenize", {"tokens": "12"}, 400, "tokens")]:
+            reply = await http.post(path, json=body)
+            assert reply.status_code == status, (path, body, reply.text)
+            assert reply.json()["error"]["param"] == param, reply.text
+
+
+@in_module_loop
+async def test_ping_version_and_one_model(client: openai.AsyncOpenAI, router: ServedRouter) -> None:
+    from importlib.metadata import version
+
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.models.retrieve("gpt-4")
+    assert e.value.param == "model"
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+        assert (await http.get("/version")).json() == {"version": version("pdserve")}
+        for method in ("GET", "POST"):
+            ping = await http.request(method, "/ping")
+            assert ping.status_code == 200 and ping.json()["status"] == "ok"

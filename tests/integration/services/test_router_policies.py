@@ -53,8 +53,11 @@ async def test_api_key_guards_v1_but_not_health_or_metrics(workers: dict[str, Wo
             assert isinstance(body, dict) and body["code"] == "invalid_api_key"
         async with httpx.AsyncClient() as http:
             assert (await http.get(f"{served.base_url}/models")).status_code == 401
-            assert (await http.get(f"{served.url}/health")).status_code == 200
-            assert (await http.get(f"{served.url}/metrics")).status_code == 200
+            assert (await http.get(f"{served.base_url}/models/{MODEL}")).status_code == 401
+            for path in ("/tokenize", "/detokenize"):
+                assert (await http.post(f"{served.url}{path}", json={"prompt": "hi"})).status_code == 401
+            for path in ("/health", "/metrics", "/ping", "/version", "/livez"):
+                assert (await http.get(f"{served.url}{path}")).status_code == 200, path
         async with openai.AsyncOpenAI(base_url=served.base_url, api_key="s3cret", max_retries=0) as good:
             out = await good.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
             assert out.usage is not None and out.usage.completion_tokens == 2

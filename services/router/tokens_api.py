@@ -1,0 +1,118 @@
+"""vLLM's tokenizer endpoints on the router (the same tokenizer and chat template as generation):
+
+    POST /tokenize     {"prompt": text, "add_special_tokens": true}
+                       or {"messages": [...], "add_generation_prompt": true, "add_special_tokens": false}
+                       -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize   {"tokens": [ids]} -> {"prompt": text}
+
+With their defaults the tokens are exactly what a completion or a chat request would prefill.
+`model` is optional; another model than the served one is a 404. Bad input is a 400 naming the
+field, as on /v1.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from services.router.config import RouterConfig
+from services.router.errors import OpenAIError
+from services.router.generation import Generator
+from services.router.openai_models import OPENAI_RESPONSES, ChatMessage
+
+
+class _Tokenize(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    return_token_strs: StrictBool = False
+
+
+class TokenizeText(_Tokenize):
+    prompt: Annotated[StrictStr, Field(min_length=1)]
+    add_special_tokens: StrictBool = True  # as a completion's prompt
+
+
+class TokenizeChat(_Tokenize):
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = False  # the chat template writes them, as for a chat request
+
+
+class Detokenize(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (ValueError, RecursionError) as e:
+        raise OpenAIError(400, f"malformed JSON body: {e}"[:300]) from None
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    """`body` as `model`, or a 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise OpenAIError(400, f"the body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"]) or None
+        raise OpenAIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
+
+
+def _body_schema(*models: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI for a body the route parses itself: any of `models` (their nested models are the
+    app's components, which the chat route already puts there)."""
+    schemas = []
+    for m in models:
+        schema = m.model_json_schema(ref_template="#/components/schemas/{model}")
+        schema.pop("$defs", None)
+        schemas.append(schema)
+    body = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body}}}}
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {400: OPENAI_RESPONSES[400], 401: OPENAI_RESPONSES[401],
+                                            404: OPENAI_RESPONSES[404]}
+
+
+def tokens_router(config: RouterConfig, gen: Callable[[], Generator]) -> APIRouter:
+    router = APIRouter()
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != config.model:
+            raise OpenAIError(404, f"the model '{model}' does not exist", "model", "model_not_found")
+
+    @router.post("/tokenize", responses=_ERRORS, openapi_extra=_body_schema(TokenizeText, TokenizeChat))
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """A text's or a chat's token ids, as generation would prefill them."""
+        body = await _json(request)
+        req = _parse(TokenizeChat if isinstance(body, dict) and "messages" in body else TokenizeText, body)
+        check_model(req.model)
+        g = gen()
+        if isinstance(req, TokenizeChat):
+            ids = await g.encode([m.as_template_dict() for m in req.messages], "messages",
+                                 req.add_special_tokens, req.add_generation_prompt)
+        else:
+            ids = await g.encode(req.prompt, "prompt", req.add_special_tokens)
+        strs = (await g.decode(ids, "tokens"))[1] if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids, "token_strs": strs}
+
+    @router.post("/detokenize", responses=_ERRORS, openapi_extra=_body_schema(Detokenize))
+    async def detokenize(request: Request) -> dict[str, Any]:
+        """The text of token ids (special tokens kept)."""
+        req = _parse(Detokenize, await _json(request))
+        check_model(req.model)
+        text, _ = await gen().decode(req.tokens, "tokens")
+        return {"prompt": text}
+
+    return router
