@@ -17,12 +17,12 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
 from services.router.config import RouterConfig
 from services.router.errors import OpenAIError
 from services.router.generation import Generator
-from services.router.openai_models import OPENAI_RESPONSES, ChatMessage
+from services.router.openai_models import OPENAI_RESPONSES, ChatMessage, _json_integer
 
 
 class _Tokenize(BaseModel):
@@ -47,7 +47,7 @@ class Detokenize(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: StrictStr | None = None
-    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0), BeforeValidator(_json_integer)]]  # 2.0 is a JSON integer
 
 
 async def _json(request: Request) -> Any:
