@@ -194,10 +194,13 @@ class Generator:
             raise OpenAIError(400, str(e), str(e).split(" ", 1)[0]) from e
 
     async def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
-                  stops: list[str]) -> AsyncGenerator[Delta, None]:
-        """The deltas of all `n` samples, interleaved as they come."""
+                  stops: list[str], include_stop: bool = False) -> AsyncGenerator[Delta, None]:
+        """The deltas of all `n` samples, interleaved as they come. A sample ends at the first of
+        `stops` in its text, which keeps that stop string when `include_stop` (vLLM's
+        include_stop_str_in_output)."""
         if n == 1:
-            async with aclosing(self._sample(request_id, 0, prompt_ids, params, stops)) as sample:
+            only = self._sample(request_id, 0, prompt_ids, params, stops, include_stop)
+            async with aclosing(only) as sample:
                 async for delta in sample:
                     yield delta
             return
@@ -206,7 +209,7 @@ class Generator:
         async def pump(i: int) -> None:
             try:
                 async for delta in self._sample(child_request_id(request_id, i), i, prompt_ids,
-                                                 params.for_child(i), stops):
+                                                 params.for_child(i), stops, include_stop):
                     queue.put_nowait(delta)
                 queue.put_nowait(None)
             except Exception as e:
@@ -225,9 +228,10 @@ class Generator:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _sample(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                      stops: list[str]) -> AsyncGenerator[Delta, None]:
+                      stops: list[str], include_stop: bool) -> AsyncGenerator[Delta, None]:
         detok = IncrementalDetokenizer(self.tokenizer)
-        hold_back = max((len(s) for s in stops), default=1) - 1
+        # Text that may be the start of a stop string waits (unless stop strings are kept anyway).
+        hold_back = 0 if include_stop else max((len(s) for s in stops), default=1) - 1
         text, sent, num_tokens, token_chars = "", 0, 0, 0
         start = last = time.perf_counter()
         async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params)) as steps:
@@ -243,7 +247,7 @@ class Generator:
                 checked = len(text)
                 text += detok.update(step.token_ids, finished=bool(step.finish_reason))
                 finish = step.finish_reason or None
-                match = find_stop_string(text, checked, stops, include_stop_str=False)
+                match = find_stop_string(text, checked, stops, include_stop_str=include_stop)
                 if match is not None:
                     text, finish = text[:match[1]], "stop"
                 end = len(text) if finish else max(sent, len(text) - hold_back)

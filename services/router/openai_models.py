@@ -73,6 +73,7 @@ class _SamplingFields(BaseModel):
     n: SampleCount = 1  # before seed: its check needs n
     seed: Seed | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the stop string stays in the text
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # OpenAI's penalties, and vLLM's extra sampling parameters under vLLM's names.

@@ -66,7 +66,6 @@ _SAMPLING: dict[str, tuple[NoOp, str]] = {
     "allowed_token_ids": (_empty, "restricts sampling to the given token ids"),
     "bad_words": (_empty, "bans words"),
     "prompt_logprobs": (_absent, "returns the prompt's logprobs"),
-    "include_stop_str_in_output": (_false, "keeps the stop string in the output"),
     "skip_special_tokens": (_true, "keeps special tokens in the text when false"),
     "spaces_between_special_tokens": (_true, "joins special tokens without spaces when false"),
     "priority": (_zero, "sets the request's scheduling priority"),

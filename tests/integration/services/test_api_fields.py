@@ -32,7 +32,7 @@ MESSAGES: list[Any] = [{"role": "user", "content": "Name a colour."}]
 # A value of each refused field that asks for something (its no-op value is accepted, below).
 USED: dict[str, Any] = {
     "logit_bias": {"5": -100}, "allowed_token_ids": [5, 6], "bad_words": ["the"], "prompt_logprobs": 1,
-    "include_stop_str_in_output": True, "skip_special_tokens": False,
+    "skip_special_tokens": False,
     "spaces_between_special_tokens": False, "priority": 3, "truncate_prompt_tokens": 4,
     "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["my.module:proc"],
     "return_tokens_as_token_ids": True, "structured_outputs": {"regex": "[a-z]+"},
@@ -198,3 +198,52 @@ async def test_ping_version_and_one_model(client: openai.AsyncOpenAI, router: Se
         for method in ("GET", "POST"):
             ping = await http.request(method, "/ping")
             assert ping.status_code == 200 and ping.json()["status"] == "ok"
+
+
+@pytest.fixture(scope="module")
+def greedy_texts(model_dir: Path) -> dict[str, str]:
+    """The offline engine's greedy text of the prompt, whole and cut at a stop string (kept or
+    not): the reference for include_stop_str_in_output."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    def params(**kw: Any) -> SamplingParams:
+        return SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, **kw)
+
+    prompts = [PROMPT, "Once upon a time", "1, 2, 3, 4,", "A list of fruits:", "def main():"]
+    with LLM(model=str(model_dir), num_threads=1, max_model_len=512, num_kv_blocks=96) as llm:
+        for k, got in enumerate(llm.generate(prompts, params(), use_tqdm=False)):
+            whole = got.outputs[0].text
+            # A stop string the greedy text reaches mid-way: 3 characters seen first at >= 4.
+            firsts = [i for i in range(4, len(whole) - 3) if whole.find(whole[i:i + 3]) == i]
+            if firsts:
+                prompt, stop = prompts[k], whole[firsts[0]:firsts[0] + 3]
+                break
+        else:
+            pytest.fail(f"no prompt's greedy text has a stop string mid-way: {whole!r}")
+        out = {"prompt": prompt, "whole": whole, "stop": stop}
+        for keep in (False, True):
+            cut = llm.generate([prompt], params(stop=[stop], include_stop_str_in_output=keep), use_tqdm=False)
+            out[str(keep)] = cut[0].outputs[0].text
+    return out
+
+
+@in_module_loop
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("keep", [False, True], ids=["cut", "kept"])
+async def test_include_stop_str_in_output_keeps_the_stop_string_as_the_engine_does(
+        client: openai.AsyncOpenAI, greedy_texts: dict[str, str], keep: bool, stream: bool) -> None:
+    stop = greedy_texts["stop"]
+    want = greedy_texts[str(keep)]
+    cut_at = greedy_texts["whole"].find(stop)
+    assert want == greedy_texts["whole"][:cut_at + len(stop) * keep]  # the reference agrees with itself
+    out = await client.completions.create(model=MODEL, prompt=greedy_texts["prompt"], max_tokens=24,
+                                          temperature=0, stop=[stop], stream=stream,
+                                          extra_body={"ignore_eos": True, "include_stop_str_in_output": keep})
+    if stream:
+        chunks = [c async for c in out]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+    else:
+        text, finish = out.choices[0].text, out.choices[0].finish_reason
+    assert text == want and finish == "stop"
