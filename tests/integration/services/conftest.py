@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -62,3 +63,22 @@ async def workers(start_worker: StartWorker) -> AsyncIterator[dict[str, WorkerSe
     finally:
         for server in servers.values():
             await server.stop(grace_s=1.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def colocated_worker(start_worker: StartWorker) -> AsyncIterator[WorkerServer]:
+    """A colocated worker of the module's own (apart from `workers`)."""
+    server = await start_worker("colocated")
+    try:
+        yield server
+    finally:
+        await server.stop(grace_s=1.0)
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def client(router: Any) -> AsyncIterator[Any]:
+    """The official openai client (no retries) on the module's `router` fixture (a ServedRouter)."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=router.base_url, api_key="x", max_retries=0, timeout=60) as c:
+        yield c

@@ -8,20 +8,18 @@ tokens generation prefills and /detokenize inverts it; /ping, /version, /v1/mode
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 
 from services.router import unsupported
 from services.router.app import RouterConfig
 from services.router.dispatch import DispatchOptions
 from services.worker.server import WorkerServer
-from tests.integration.services.conftest import StartWorker
 from tests.integration.services.router_util import ServedRouter
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -62,27 +60,12 @@ def test_every_refused_field_is_tried() -> None:
     assert set(USED) == set(unsupported.COMPLETION) | set(unsupported.CHAT)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def worker(start_worker: StartWorker) -> AsyncIterator[WorkerServer]:
-    server = await start_worker("colocated")
-    try:
-        yield server
-    finally:
-        await server.stop(grace_s=1.0)
-
-
 @pytest.fixture(scope="module")
-def router(worker: WorkerServer, model_dir: Path) -> Iterator[ServedRouter]:
-    dispatch = DispatchOptions(decode=(worker.target,), decode_timeout_s=60)
+def router(colocated_worker: WorkerServer, model_dir: Path) -> Iterator[ServedRouter]:
+    dispatch = DispatchOptions(decode=(colocated_worker.target,), decode_timeout_s=60)
     with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
                                    dispatch=dispatch)) as served:
         yield served
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(router: ServedRouter) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=router.base_url, api_key="x", max_retries=0, timeout=60) as c:
-        yield c
 
 
 async def _create(client: openai.AsyncOpenAI, chat: bool, extra: dict[str, Any], **kw: Any) -> Any:

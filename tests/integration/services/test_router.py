@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 
 from engine.sampling_params import SamplingParams
 from services.router.app import RouterConfig
@@ -54,12 +53,6 @@ def router(request: pytest.FixtureRequest, workers: dict[str, WorkerServer], mod
     with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
                                    dispatch=dispatch)) as served:
         yield served
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def client(router: ServedRouter) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=router.base_url, api_key="x", max_retries=0, timeout=60) as c:
-        yield c
 
 
 @in_module_loop

@@ -5,18 +5,15 @@ worker, prefix-aware placement, and conditional disaggregation."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
 
 from services.router.app import RouterConfig
 from services.router.dispatch import DispatchOptions
 from services.worker.server import WorkerServer
-from tests.integration.services.conftest import StartWorker
 from tests.integration.services.router_util import ServedRouter, free_port
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -29,15 +26,6 @@ LONG = "The history of the city goes back many centuries, " * 6
 def config(model_dir: Path, dispatch: DispatchOptions, **kw: object) -> RouterConfig:
     return RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, dispatch=dispatch,
                         **kw)  # type: ignore[arg-type]
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def second_colocated(start_worker: StartWorker) -> AsyncIterator[WorkerServer]:
-    server = await start_worker("colocated")
-    try:
-        yield server
-    finally:
-        await server.stop(grace_s=1.0)
 
 
 @in_module_loop
@@ -134,8 +122,8 @@ async def test_without_a_healthy_decode_worker_health_and_requests_answer_503(mo
 
 @in_module_loop
 async def test_prefix_aware_sends_a_repeated_prompt_where_it_is_cached(
-        workers: dict[str, WorkerServer], second_colocated: WorkerServer, model_dir: Path) -> None:
-    targets = (workers["colocated"].target, second_colocated.target)
+        workers: dict[str, WorkerServer], colocated_worker: WorkerServer, model_dir: Path) -> None:
+    targets = (workers["colocated"].target, colocated_worker.target)
     dispatch = DispatchOptions(decode=targets, decode_policy="prefix_aware")
     with ServedRouter(config(model_dir, dispatch)) as served:
         async with openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0) as c:
@@ -192,8 +180,8 @@ async def test_disaggregated_logprobs_equal_colocated_ones(workers: dict[str, Wo
 
 @in_module_loop
 async def test_workers_join_and_leave_by_draining_without_failing_a_request(
-        workers: dict[str, WorkerServer], second_colocated: WorkerServer, model_dir: Path) -> None:
-    a, b = workers["colocated"].target, second_colocated.target
+        workers: dict[str, WorkerServer], colocated_worker: WorkerServer, model_dir: Path) -> None:
+    a, b = workers["colocated"].target, colocated_worker.target
     dispatch = DispatchOptions(decode=(a,), decode_policy="least_loaded")
     with ServedRouter(config(model_dir, dispatch)) as served:
         admin = f"{served.url}/admin/workers"
@@ -233,11 +221,11 @@ async def test_workers_join_and_leave_by_draining_without_failing_a_request(
 
 @in_module_loop
 async def test_a_new_worker_takes_its_share_of_a_shared_system_prompt_chat_load_within_seconds(
-        workers: dict[str, WorkerServer], second_colocated: WorkerServer, model_dir: Path) -> None:
+        workers: dict[str, WorkerServer], colocated_worker: WorkerServer, model_dir: Path) -> None:
     """Every chat request starts with the same system prompt (and the template's tokens): cached
     on the worker that served them. A worker registered under that load (prefix_aware, the
     default) still gets a fair share of the next requests, from its first load report on."""
-    a, b = workers["colocated"].target, second_colocated.target
+    a, b = workers["colocated"].target, colocated_worker.target
     system = {"role": "system", "content": "You are a helpful assistant. " + LONG}
     with ServedRouter(config(model_dir, DispatchOptions(decode=(a,)))) as served:
         admin = f"{served.url}/admin/workers"
