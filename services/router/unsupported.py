@@ -85,13 +85,13 @@ _SAMPLING: dict[str, tuple[NoOp, str]] = {
     "cache_salt": (_absent, "isolates the request's prefix cache"),
     "kv_transfer_params": (_absent, "takes part in an external KV transfer"),
     "vllm_xargs": (_empty, "passes extra arguments to custom extensions"),
+    "best_of": (_one, "samples best_of and returns the n best"),
 }
 
 COMPLETION: dict[str, tuple[NoOp, str]] = {
     **_SAMPLING,
     "echo": (_false, "echoes the prompt"),
     "suffix": (_empty, "inserts a completion before a suffix"),
-    "best_of": (_one, "samples best_of and returns the n best"),
 }
 
 CHAT: dict[str, tuple[NoOp, str]] = {
@@ -111,7 +111,6 @@ CHAT: dict[str, tuple[NoOp, str]] = {
     "audio": (_absent, "asks for audio output"),
     "prediction": (_absent, "uses predicted outputs"),
     "web_search_options": (_absent, "searches the web"),
-    "best_of": (_one, "samples best_of and returns the n best"),
 }
 
 
