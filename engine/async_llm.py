@@ -81,19 +81,23 @@ class AsyncLLM:
         request_id: str,
         priority: int = 0,
         on_added: Callable[[], Awaitable[None]] | None = None,
+        num_prior_outputs: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs; the last one has `finished=True`.
 
         Raises ValueError for bad input (other requests keep running) and EngineDeadError when
         the core died. A consumer that stops early aborts the request in the core. `on_added` is
         awaited once the core has the request, before its first output (a server tells its
-        client there that the request was accepted).
+        client there that the request was accepted). `num_prior_outputs`: the prompt's last
+        that many tokens are earlier outputs of this (single) sample, which the engine continues
+        (EngineCoreRequest.num_prior_outputs); outputs carry only the new tokens.
         """
         if self._dead is not None:
             raise self._dead
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, token_ids = self.processor.preprocess(prompt)
-        requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
+        requests = self.processor.make_requests(request_id, token_ids, params, priority=priority,
+                                                num_prior_outputs=num_prior_outputs)
         collector = RequestOutputCollector(params.output_kind)
         self.output_processor.add_request(request_id, text, requests, params, collector)
         self._ensure_output_handler()

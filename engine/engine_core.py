@@ -141,6 +141,10 @@ class EngineCore:
         bad = [t for t in request.prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if not 0 <= request.num_prior_outputs < n:
+            raise ValueError(f"num_prior_outputs must be in [0, {n}) (at least one prompt token), "
+                             f"got {request.num_prior_outputs}")
+        request.sampling_params.check_vocab(self.vocab_size)
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1 in the engine core; the front end "
                              "fans out n > 1")

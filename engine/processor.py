@@ -64,15 +64,30 @@ class Processor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        num_prior_outputs: int = 0,
     ) -> list[EngineCoreRequest]:
-        """Fans `params.n` out into core requests; max_tokens=None becomes the room left."""
+        """Fans `params.n` out into core requests; max_tokens=None becomes the room left.
+        `num_prior_outputs`: the last that many token ids are earlier outputs of the sample
+        (one sample only), which this engine continues."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        params.check_vocab(self.vocab_size)
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} given but this engine's scheduling_policy is "
+                             f"{self.config.scheduling_policy!r}, which ignores it (start it with "
+                             f"the 'priority' policy, or send priority 0)")
+        if not 0 <= num_prior_outputs < len(prompt_token_ids):
+            raise ValueError(f"num_output_tokens must be in [0, {len(prompt_token_ids)}) (at least "
+                             f"one prompt token), got {num_prior_outputs}")
+        if num_prior_outputs and params.n != 1:
+            raise ValueError("n must be 1 when continuing a sample's earlier outputs")
         if params.max_tokens is None:
-            params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
+            params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids)
+                             + num_prior_outputs)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
-            return [self._request(request_id, prompt_token_ids, params, arrival, priority)]
+            return [self._request(request_id, prompt_token_ids, params, arrival, priority,
+                                  num_prior_outputs)]
         return [
             self._request(child_request_id(request_id, i), prompt_token_ids,
                           params.for_child(i), arrival, priority)
@@ -80,7 +95,7 @@ class Processor:
         ]
 
     def _request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, priority: int) -> EngineCoreRequest:
+                 arrival_time: float, priority: int, num_prior_outputs: int = 0) -> EngineCoreRequest:
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(token_ids),
@@ -88,6 +103,7 @@ class Processor:
             eos_token_id=self.eos_token_id,
             arrival_time=arrival_time,
             priority=priority,
+            num_prior_outputs=num_prior_outputs,
         )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -117,6 +133,21 @@ class Processor:
         text: str = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         return text
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of `bad_words`: each word (leading spaces stripped) as it reads at
+        the start of a text, and with one leading space as it reads mid-text when that gives
+        another first token and as many tokens."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = list(self.tokenizer(word.lstrip(), add_special_tokens=False).input_ids)
+            spaced = list(self.tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids)
+            if not plain:
+                raise ValueError(f"bad_words: {word!r:.40} has no tokens")
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
 
     def _validate(self, token_ids: list[int]) -> None:
         n = len(token_ids)

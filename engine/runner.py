@@ -1,8 +1,8 @@
 """ModelRunner: turns a `SchedulerOutput` (ids and counts) into tensors, runs the model over
 the paged KV cache and samples (vLLM V1's GPUModelRunner, in small).
 
-The runner keeps each request's tokens, block ids, sampling parameters and random generator
-across steps; the scheduler only sends what changed. The batch is flattened in the order of
+The runner keeps each request's tokens, block ids and sampling parameters across steps; the
+scheduler only sends what changed. The batch is flattened in the order of
 `SchedulerOutput.num_scheduled_tokens`: request `i` brings `n_i` tokens, from its
 `num_computed_tokens` on. A request samples when its new tokens reach the end of its known
 tokens; a partial (chunked) prefill samples nothing.
@@ -68,7 +68,6 @@ class RequestState:
     output_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    generator: torch.Generator | None
     token_buf: np.ndarray = field(repr=False)  # [capacity] int64, prompt + outputs
     num_tokens: int = 0
 
@@ -151,23 +150,13 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            old = self.requests.get(new.req_id)
-            generator = old.generator if old is not None else self._make_generator(new)
-            self.requests[new.req_id] = self._new_state(new, generator)
+            self.requests[new.req_id] = self._new_state(new)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def _make_generator(self, new: NewRequestData) -> torch.Generator | None:
-        seed = new.sampling_params.seed
-        if seed is None:
-            return None
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
-        return generator
-
-    def _new_state(self, new: NewRequestData, generator: torch.Generator | None) -> RequestState:
+    def _new_state(self, new: NewRequestData) -> RequestState:
         num_tokens = len(new.token_ids)
         buf = np.zeros(max(self.max_model_len + 1, num_tokens + 1), dtype=np.int64)
         buf[:num_tokens] = new.token_ids
@@ -178,7 +167,6 @@ class ModelRunner:
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
-            generator=generator,
             token_buf=buf,
             num_tokens=num_tokens,
         )
@@ -315,7 +303,6 @@ class ModelRunner:
             params=[s.sampling_params for s in states],
             output_token_ids=[s.output_token_ids for s in states],
             prompt_token_ids=[s.prompt_token_ids for s in states],
-            generators=[s.generator for s in states],
             eos_token_id=self.eos_token_id,
             vocab_size=self.vocab_size,
             device=self.device,

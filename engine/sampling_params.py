@@ -26,7 +26,13 @@ class SamplingParams:
     `temperature=0.0` is greedy. `logprobs=N` returns the N most likely tokens (plus the sampled
     one) of the model's raw distribution at each step. `stop` strings are matched on the
     detokenized text and are not part of the output unless `include_stop_str_in_output`.
-    With `n > 1` and a `seed`, the i-th sample uses `seed + i`.
+    With `n > 1` and a `seed`, the i-th sample uses `seed + i`; a seeded sample's draw for its
+    k-th output token depends only on (seed, k) (engine/sample/seeds.py).
+
+    As vLLM: `logit_bias` adds to token logits (clamped to [-100, 100]); `allowed_token_ids`
+    restricts sampling to those ids; `bad_words_token_ids` (the tokenized `bad_words`) bans each
+    sequence's last token when the output ends with the rest of it; `prompt_logprobs=N` returns,
+    for each prompt position after the first, the prompt token's logprob and the top-N.
     """
 
     n: int = 1
@@ -46,6 +52,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # As vLLM: {"do_remote_decode": True} on a prefill request; the prefill's returned
     # kv_transfer_params (with "do_remote_prefill": True) on the decode request.
@@ -56,6 +66,13 @@ class SamplingParams:
             object.__setattr__(self, "stop", [self.stop])
         object.__setattr__(self, "stop", list(self.stop or []))
         object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if self.logit_bias:
+            object.__setattr__(self, "logit_bias", _clamped_bias(self.logit_bias))
+        else:
+            object.__setattr__(self, "logit_bias", None)
+        if self.bad_words_token_ids is not None:
+            object.__setattr__(self, "bad_words_token_ids",
+                               [list(w) for w in self.bad_words_token_ids] or None)
         self._validate()
 
     def _validate(self) -> None:
@@ -118,6 +135,37 @@ class SamplingParams:
         )
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        if self.prompt_logprobs is not None:
+            _check(
+                isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20,
+                "prompt_logprobs",
+                f"must be in [0, 20], got {self.prompt_logprobs}",
+            )
+        if self.allowed_token_ids is not None:
+            _check(
+                len(self.allowed_token_ids) > 0
+                and all(_is_token_id(t) for t in self.allowed_token_ids),
+                "allowed_token_ids",
+                "must be a non-empty list of non-negative token ids",
+            )
+        if self.bad_words_token_ids is not None:
+            _check(
+                all(w and all(_is_token_id(t) for t in w) for w in self.bad_words_token_ids),
+                "bad_words",
+                "must tokenize to non-empty sequences of token ids",
+            )
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """ValueError naming the field when a token id is outside [0, vocab_size)."""
+        fields: list[tuple[str, list[int]]] = [
+            ("logit_bias", list(self.logit_bias or ())),
+            ("allowed_token_ids", list(self.allowed_token_ids or ())),
+            ("bad_words", [t for w in self.bad_words_token_ids or () for t in w]),
+        ]
+        for name, ids in fields:
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            _check(not bad, name, f"has token id {bad[0] if bad else 0} outside the vocabulary "
+                                  f"[0, {vocab_size})")
 
     @property
     def is_greedy(self) -> bool:
@@ -127,6 +175,20 @@ class SamplingParams:
         """Parameters of the `index`-th of `n` samples: n=1, seed shifted by the index."""
         seed = None if self.seed is None else self.seed + index
         return replace(self, n=1, seed=seed)
+
+
+def _is_token_id(t: object) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _clamped_bias(bias: dict[int, float]) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for k, v in bias.items():
+        _check(_is_token_id(k), "logit_bias", f"keys must be token ids, got {k!r:.40}")
+        _check(isinstance(v, int | float) and not isinstance(v, bool) and v == v, "logit_bias",
+               f"values must be numbers, got {v!r:.40}")
+        out[int(k)] = max(-100.0, min(100.0, float(v)))
+    return out
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

@@ -38,6 +38,11 @@ class EngineCoreRequest:
     eos_token_id: int | None = None
     arrival_time: float = 0.0
     priority: int = 0
+    # The last `num_prior_outputs` of prompt_token_ids are this sample's earlier outputs (the
+    # prefill worker's first token, tokens streamed before a migration): the core continues the
+    # sample as if it had produced them (seeded draws by output position, penalties, min_tokens
+    # and max_tokens count them).
+    num_prior_outputs: int = 0
 
 
 @dataclass

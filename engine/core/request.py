@@ -50,14 +50,19 @@ class Request:
         eos_token_id: int | None = None,
         arrival_time: float = 0.0,
         priority: int = 0,
+        num_prior_outputs: int = 0,
     ) -> None:
+        """`num_prior_outputs`: how many of the given token ids (at the end) are earlier outputs
+        of this sample, continued here (EngineCoreRequest.num_prior_outputs)."""
+        split = len(prompt_token_ids) - num_prior_outputs
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids[:split])
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
         self.priority = priority
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(prompt_token_ids[split:])
+        self.num_prior_outputs = num_prior_outputs
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_hashes: list[bytes] = []
@@ -69,7 +74,7 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                   req.eos_token_id, req.arrival_time, req.priority)
+                   req.eos_token_id, req.arrival_time, req.priority, req.num_prior_outputs)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -81,7 +86,13 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
+        """Outputs of the sample, prior ones included (what max_tokens and min_tokens count)."""
         return len(self.output_token_ids)
+
+    @property
+    def num_new_output_tokens(self) -> int:
+        """Outputs produced here."""
+        return len(self.output_token_ids) - self.num_prior_outputs
 
     @property
     def is_finished(self) -> bool:

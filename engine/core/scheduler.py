@@ -431,7 +431,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self._no_external.add(request.request_id)
-        # The runner forgets it (a fresh sampling generator, as if the step never ran).
+        # The runner forgets it (as if the step never ran).
         self._known_by_runner.discard(request.request_id)
         self._finished_for_runner.add(request.request_id)
         self.waiting.prepend(request)
@@ -451,7 +451,7 @@ class Scheduler:
                 continue
             if not token_ids or request is None or request.is_finished:
                 continue
-            if request.num_output_tokens == 0:
+            if request.num_new_output_tokens == 0:
                 request.times.first_token_time = now
                 self.counters.prompt_tokens += request.num_prompt_tokens
             request.append_output_token_ids(token_ids)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sample.seeds import position_seed
 from engine.sampling_params import SamplingParams
 
 
@@ -36,10 +37,13 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [num_rows] int64, vocab_size where disabled
     top_p: torch.Tensor | None  # [num_rows] float32, 1.0 where disabled
     min_p: torch.Tensor | None  # [num_rows] float32, 0.0 where disabled
-    generators: dict[int, torch.Generator]  # row -> the request's own generator (seeded rows)
+    seeds: dict[int, int]  # seeded random rows -> position_seed(seed, output position)
     penalties: PenaltyInputs | None
-    # rows still short of min_tokens -> token ids to forbid (stop ids and eos)
-    min_tokens_masks: dict[int, list[int]]
+    # row -> token ids forbidden this step: stop ids and eos while short of min_tokens, and
+    # the last token of each bad word whose other tokens end the output
+    banned: dict[int, list[int]]
+    allowed: dict[int, list[int]]  # row -> its allowed_token_ids (rows that restrict)
+    logit_bias: dict[int, dict[int, float]]  # row -> its logit_bias (rows that have one)
     num_logprobs: list[int | None]  # per row: top-n to return, or None
     max_num_logprobs: int | None  # max over rows, None when no row asks
 
@@ -53,7 +57,9 @@ class SamplingMetadata:
         return not (
             self.all_greedy
             and self.penalties is None
-            and not self.min_tokens_masks
+            and not self.banned
+            and not self.allowed
+            and not self.logit_bias
             and self.max_num_logprobs is None
         )
 
@@ -63,7 +69,6 @@ class SamplingMetadata:
         params: list[SamplingParams],
         output_token_ids: list[list[int]],
         prompt_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
         eos_token_id: int | None,
         vocab_size: int,
         device: torch.device,
@@ -81,9 +86,13 @@ class SamplingMetadata:
             top_k=_top_k(params, greedy, vocab_size, device),
             top_p=_optional_floats([p.top_p for p in params], 1.0, greedy, device),
             min_p=_optional_floats([p.min_p for p in params], 0.0, greedy, device),
-            generators={i: g for i, g in enumerate(generators) if g is not None and not greedy[i]},
+            seeds={i: position_seed(p.seed, len(out)) for i, (p, out, g)
+                   in enumerate(zip(params, output_token_ids, greedy, strict=True))
+                   if p.seed is not None and not g},
             penalties=_penalties(params, output_token_ids, prompt_token_ids, vocab_size, device),
-            min_tokens_masks=_min_tokens_masks(params, output_token_ids, eos_token_id),
+            banned=_banned(params, output_token_ids, eos_token_id),
+            allowed={i: p.allowed_token_ids for i, p in enumerate(params) if p.allowed_token_ids},
+            logit_bias={i: p.logit_bias for i, p in enumerate(params) if p.logit_bias},
             num_logprobs=num_logprobs,
             max_num_logprobs=max(asked) if asked else None,
         )
@@ -142,16 +151,20 @@ def _pad(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
     return out.to(device)
 
 
-def _min_tokens_masks(
+def _banned(
     params: list[SamplingParams], output_token_ids: list[list[int]], eos_token_id: int | None
 ) -> dict[int, list[int]]:
     masks: dict[int, list[int]] = {}
     for i, (p, out) in enumerate(zip(params, output_token_ids, strict=True)):
-        if len(out) >= p.min_tokens:
-            continue
-        ids = list(p.stop_token_ids)
-        if eos_token_id is not None and not p.ignore_eos:
-            ids.append(eos_token_id)
+        ids: list[int] = []
+        if len(out) < p.min_tokens:
+            ids.extend(p.stop_token_ids)
+            if eos_token_id is not None and not p.ignore_eos:
+                ids.append(eos_token_id)
+        for word in p.bad_words_token_ids or ():
+            prefix = len(word) - 1
+            if prefix == 0 or (len(out) >= prefix and out[len(out) - prefix:] == word[:-1]):
+                ids.append(word[-1])
         if ids:
             masks[i] = ids
     return masks

@@ -1,6 +1,7 @@
-"""Logit edits that depend on a request's token history: min_tokens masking and penalties.
+"""Logit edits of the sampler before temperature: banned tokens (min_tokens, bad_words),
+allowed_token_ids, logit_bias, and the penalties.
 
-Both work on all rows at once; token-id lists are padded with `vocab_size`, a column that is
+Penalties work on all rows at once; token-id lists are padded with `vocab_size`, a column that is
 counted in a scratch bin and dropped.
 """
 
@@ -11,8 +12,9 @@ import torch
 from engine.sample.metadata import PenaltyInputs
 
 
-def apply_min_tokens(logits: torch.Tensor, masks: dict[int, list[int]]) -> torch.Tensor:
-    """Forbids (sets to -inf) each row's stop ids while it has fewer than min_tokens outputs.
+def apply_banned(logits: torch.Tensor, masks: dict[int, list[int]]) -> torch.Tensor:
+    """Forbids (sets to -inf) each row's banned ids: its stop ids while it has fewer than
+    min_tokens outputs, and the bad_words tokens that would complete a bad word.
 
     logits: [num_rows, vocab] float32, edited in place and returned.
     """
@@ -23,6 +25,33 @@ def apply_min_tokens(logits: torch.Tensor, masks: dict[int, list[int]]) -> torch
     if pairs:
         idx = torch.tensor(pairs, dtype=torch.int64, device=logits.device)  # [num_pairs, 2]
         logits[idx[:, 0], idx[:, 1]] = float("-inf")
+    return logits
+
+
+def apply_allowed(logits: torch.Tensor, allowed: dict[int, list[int]]) -> torch.Tensor:
+    """Forbids every token but the row's allowed_token_ids. logits: [num_rows, vocab] float32,
+    edited in place and returned."""
+    if not allowed:
+        return logits
+    rows = list(allowed)
+    keep = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    for i, row in enumerate(rows):
+        keep[i, torch.as_tensor(allowed[row], dtype=torch.int64, device=logits.device)] = True
+    row_idx = torch.as_tensor(rows, dtype=torch.int64, device=logits.device)
+    logits[row_idx] = logits[row_idx].masked_fill(~keep, float("-inf"))
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, dict[int, float]]) -> torch.Tensor:
+    """Adds each row's logit_bias to its token logits. logits: [num_rows, vocab] float32,
+    edited in place and returned."""
+    if not bias:
+        return logits
+    triples = [(r, t, b) for r, row in bias.items() for t, b in row.items()]
+    rows = torch.tensor([t[0] for t in triples], dtype=torch.int64, device=logits.device)
+    cols = torch.tensor([t[1] for t in triples], dtype=torch.int64, device=logits.device)
+    vals = torch.tensor([t[2] for t in triples], dtype=logits.dtype, device=logits.device)
+    logits.index_put_((rows, cols), vals, accumulate=True)
     return logits
 
 

@@ -1,12 +1,17 @@
 """Sampler: logits of the sampled rows -> one token per row (vLLM V1's order of operations).
 
 1. raw logprobs (log_softmax of the raw logits) when any row asks for logprobs;
-2. min_tokens: stop ids and eos forbidden while a row has fewer than min_tokens outputs;
+2. allowed_token_ids; banned tokens: stop ids and eos while a row has fewer than min_tokens
+   outputs, and each bad word's last token when the output ends with the rest of it;
+   logit_bias (vLLM V1's order: these, then the penalties);
 3. penalties: repetition (prompt + output), frequency and presence (output);
 4. greedy rows: argmax of the penalized logits;
 5. temperature -> min-p -> top-k -> top-p -> exponential race `argmax(probs / q)`,
-   `q ~ Exp(1)`, drawn from the row's own generator when the request is seeded (so its tokens
-   do not depend on the rest of the batch) and from the sampler's generator otherwise.
+   `q ~ Exp(1)`. A seeded row draws its `q` from a generator seeded with
+   `position_seed(seed, output_position)`, so its draws depend on nothing but the seed and the
+   position of the token in the sample's output: the same tokens in any batch, after a
+   preemption, on a prefill worker and then a decode worker, or after a migration to another
+   worker. Unseeded rows draw from the sampler's generator.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sample.metadata import SamplingMetadata
-from engine.sample.penalties import apply_min_tokens, apply_penalties
+from engine.sample.penalties import apply_allowed, apply_banned, apply_logit_bias, apply_penalties
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._seeded = torch.Generator(device=device)  # re-seeded per seeded row and step
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits: [num_rows, vocab] float32 (not modified). Returns one token per row."""
@@ -50,7 +56,9 @@ class Sampler:
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_rows, vocab]
-        logits = apply_min_tokens(logits, meta.min_tokens_masks)
+        logits = apply_allowed(logits, meta.allowed)
+        logits = apply_banned(logits, meta.banned)
+        logits = apply_logit_bias(logits, meta.logit_bias)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
         sampled = self._sample(logits, meta)
@@ -68,20 +76,20 @@ class Sampler:
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
         probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
-        random_tokens = self._exponential_race(probs, meta.generators)
+        random_tokens = self._exponential_race(probs, meta.seeds)
         if greedy_tokens is None:
             return random_tokens
         return torch.where(meta.greedy, greedy_tokens, random_tokens)
 
-    def _exponential_race(
-        self, probs: torch.Tensor, generators: dict[int, torch.Generator]
-    ) -> torch.Tensor:
-        """argmax(probs / q) with q ~ Exp(1) i.i.d.: a draw from `probs` per row."""
+    def _exponential_race(self, probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
+        """argmax(probs / q) with q ~ Exp(1) i.i.d.: a draw from `probs` per row. Rows in
+        `seeds` (row -> this step's position seed) draw from a generator seeded with it."""
         u = torch.empty_like(probs)  # [num_rows, vocab], uniform in [0, 1)
-        if len(generators) < probs.shape[0]:
+        if len(seeds) < probs.shape[0]:
             u.uniform_(generator=self.generator)
-        for row, gen in generators.items():
-            u[row].uniform_(generator=gen)
+        for row, seed in seeds.items():
+            self._seeded.manual_seed(seed)
+            u[row].uniform_(generator=self._seeded)
         q = u.log_().neg_()  # Exp(1) by inverse CDF (u = 0 gives q = inf: never chosen)
         return probs.div_(q).argmax(dim=-1)
 

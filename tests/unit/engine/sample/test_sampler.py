@@ -9,6 +9,7 @@ import torch
 
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from engine.sample.seeds import position_seed
 from engine.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -17,12 +18,11 @@ CPU = torch.device("cpu")
 
 def _meta(params: list[SamplingParams], outputs: list[list[int]] | None = None,
           prompts: list[list[int]] | None = None,
-          generators: list[torch.Generator | None] | None = None,
           eos: int | None = None, vocab: int = VOCAB) -> SamplingMetadata:
     n = len(params)
     return SamplingMetadata.build(
         params, outputs or [[] for _ in range(n)], prompts or [[] for _ in range(n)],
-        generators or [None] * n, eos, vocab, CPU)
+        eos, vocab, CPU)
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -184,8 +184,7 @@ def test_logprobs_are_raw_log_softmax_with_sampled_rank() -> None:
         SamplingParams(temperature=1.0, logprobs=0, seed=3),
         SamplingParams(temperature=0.0),
     ]
-    meta = _meta(params, outputs=[[int(logits[0].argmax())], [], []],
-                 generators=[None, _gen(3), None])
+    meta = _meta(params, outputs=[[int(logits[0].argmax())], [], []])
     out = Sampler()(logits, meta)
     assert out.logprobs is not None
     ref = torch.log_softmax(logits.double(), dim=-1)
@@ -206,21 +205,46 @@ def test_seeded_rows_do_not_depend_on_batch_composition_or_order() -> None:
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=s) for s in (11, 12)]
     others = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)]
 
-    def run(rows: list[int], plist: list[SamplingParams], seeds: list[int | None],
-            sampler: Sampler, steps: int = 5) -> list[list[int]]:
-        gens = [None if s is None else _gen(s) for s in seeds]
-        tokens = []
+    def run(rows: list[int], plist: list[SamplingParams], sampler: Sampler,
+            steps: int = 5) -> list[list[int]]:
+        tokens: list[list[int]] = []
+        outputs: list[list[int]] = [[] for _ in rows]
         for _ in range(steps):
-            out = sampler(logits[rows], _meta(plist, generators=gens))
-            tokens.append(out.sampled_token_ids.tolist())
+            out = sampler(logits[rows], _meta(plist, outputs=outputs)).sampled_token_ids.tolist()
+            tokens.append(out)
+            outputs = [[*o, t] for o, t in zip(outputs, out, strict=True)]
         return tokens
 
-    alone = run([0], params[:1], [11], Sampler(seed=1))
-    batched = run([2, 0, 3, 1], [others[0], params[0], others[1], params[1]],
-                  [None, 11, None, 12], Sampler(seed=2))
-    reordered = run([1, 3, 0], [params[1], others[1], params[0]], [12, None, 11], Sampler(seed=3))
+    alone = run([0], params[:1], Sampler(seed=1))
+    batched = run([2, 0, 3, 1], [others[0], params[0], others[1], params[1]], Sampler(seed=2))
+    reordered = run([1, 3, 0], [params[1], others[1], params[0]], Sampler(seed=3))
     assert [t[0] for t in alone] == [t[1] for t in batched] == [t[2] for t in reordered]
     assert [t[3] for t in batched] == [t[0] for t in reordered]
+
+
+def test_a_seeded_draw_depends_only_on_seed_and_output_position() -> None:
+    """The draw at output position k is the same whatever ran before it (another worker's
+    steps, a preemption, a fresh sampler): what split and migrated samples rely on."""
+    logits = torch.zeros(1, VOCAB)  # uniform: the token is the draw itself
+    p = SamplingParams(temperature=1.0, seed=7)
+
+    def draw(position: int, sampler: Sampler) -> int:
+        return int(sampler(logits, _meta([p], outputs=[[3] * position])).sampled_token_ids[0])
+
+    fresh = [draw(k, Sampler(seed=k)) for k in range(12)]
+    shared = Sampler(seed=99)
+    assert [draw(k, shared) for k in range(12)] == fresh  # same positions, one sampler
+    assert len(set(fresh)) > 4  # positions give different draws
+    other_seed = [int(Sampler()(logits, _meta([SamplingParams(temperature=1.0, seed=8)],
+                                              outputs=[[3] * k])).sampled_token_ids[0])
+                  for k in range(12)]
+    assert other_seed != fresh
+
+
+def test_position_seeds_are_distinct_across_neighbouring_seeds_and_positions() -> None:
+    seeds = {position_seed(s, k) for s in range(-50, 50) for k in range(100)}
+    assert len(seeds) == 100 * 100
+    assert all(0 <= x < 2**64 for x in seeds)
 
 
 def test_unseeded_sampling_follows_the_sampler_seed() -> None:
@@ -259,7 +283,7 @@ def test_mixed_batch_greedy_rows_take_argmax_random_rows_sample() -> None:
     logits = _logits(4, seed=11)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1),
               SamplingParams(temperature=0.0), SamplingParams(temperature=2.0, seed=1)]
-    out = Sampler()(logits, _meta(params, generators=[None, None, None, _gen(1)]))
+    out = Sampler()(logits, _meta(params))
     argmax = logits.argmax(dim=-1).tolist()
     got = out.sampled_token_ids.tolist()
     assert got[:3] == argmax[:3]  # top_k=1 leaves only the argmax
