@@ -142,7 +142,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
                             body.sampling_kwargs(), body.logprobs)
         reply = Reply(gen, body.model, f"cmpl-{uuid.uuid4().hex}", len(ids), body.n, False,
                       body.include_usage, body.continuous_usage)
-        return await _run(reply, ids, params, body.stop_strings, body.stream, body.include_stop_str_in_output)
+        return await _run(reply, ids, params, body.stop_strings, body.stream, body.include_stop_str_in_output,
+                          body.priority)
 
     @app.post("/v1/chat/completions", response_model=None, responses=OPENAI_RESPONSES)
     async def chat(body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
@@ -154,7 +155,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         params = gen.params(len(ids), body.token_limit, body.sampling_kwargs(), top)
         reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", len(ids), body.n, True,
                       body.include_usage, body.continuous_usage)
-        return await _run(reply, ids, params, body.stop_strings, body.stream, body.include_stop_str_in_output)
+        return await _run(reply, ids, params, body.stop_strings, body.stream, body.include_stop_str_in_output,
+                          body.priority)
 
     # Added before the API key check, so that check (outside it) still sees every request; the
     # body limit outermost, so no handler ever reads more than max_body_bytes.
@@ -166,12 +168,12 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     return app
 
 
-async def _run(reply: Reply, ids: list[int], params: Any, stops: list[str], stream: bool, include_stop: bool
-               ) -> JSONResponse | StreamingResponse:
+async def _run(reply: Reply, ids: list[int], params: Any, stops: list[str], stream: bool, include_stop: bool,
+               priority: int) -> JSONResponse | StreamingResponse:
     gen = reply.gen
     admission = gen.admit()
     gen.metrics.prompt_tokens.inc(len(ids))
-    deltas = gen.run(reply.request_id, ids, params, reply.n, stops, include_stop)
+    deltas = gen.run(reply.request_id, ids, params, reply.n, stops, include_stop, priority)
     return await respond(reply, deltas, stream, admission)
 
 

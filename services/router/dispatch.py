@@ -20,8 +20,13 @@ the rest). The caller sees one stream, with no token repeated or missing. At mos
 `max_migrations` per sample; each is logged with its reason and counted (`on_migration`). When
 no other worker serves, the sample waits up to `migration_wait_s` for one; the failed worker
 counts again once a load report after the failure says it serves (its engine core restarted,
-or the whole worker did). Greedy samples continue token for token;
-sampled ones with a seed or penalties are not yet position-exact across a migration (issue 18).
+or the whole worker did).
+
+Every continuation (the decode after a prefill, each migration) tells the worker how many of its
+input tokens are the sample's earlier outputs (`num_output_tokens`) and sends the whole
+sample's parameters, so the worker samples as if it had produced them: a seeded draw depends on
+(seed, output position) only, and penalties, bad_words, min_tokens and max_tokens count them.
+A seeded sample's tokens are the same split, colocated, and after a migration.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
@@ -110,18 +115,16 @@ class _Sample:
     kv: dict[str, Any] | None
     hashes: Sequence[int]
     deadline: float
+    priority: int = 0
     generated: list[int] = field(default_factory=list)  # tokens already streamed to the caller
     migrations: int = 0
     failed: dict[str, float] = field(default_factory=dict)  # worker -> when the sample failed there
 
-    def next_call(self) -> tuple[str, list[int], SamplingParams]:
-        """Request id, token ids and params of the next attempt: the rest of the sample."""
-        n = len(self.generated)
-        assert self.params.max_tokens is not None
-        params = replace(self.params, max_tokens=self.params.max_tokens - n,
-                         min_tokens=max(0, self.params.min_tokens - n))
+    def next_call(self) -> tuple[str, list[int]]:
+        """Request id and token ids of the next attempt: the prompt and the outputs so far
+        (the worker is told how many of them are outputs, and gets the sample's params)."""
         rid = self.request_id if self.migrations == 0 else f"{self.request_id}-m{self.migrations}"
-        return rid, [*self.prompt_ids, *self.generated], params
+        return rid, [*self.prompt_ids, *self.generated]
 
 
 class Dispatcher:
@@ -166,16 +169,17 @@ class Dispatcher:
         if n:
             logger.warning("%d calls in flight on %s are moved elsewhere", n, w.target)
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams
-                       ) -> AsyncGenerator[Step, None]:
-        """The sample's tokens as they come. Closing the iterator early cancels the decode call."""
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncGenerator[Step, None]:
+        """The sample's tokens as they come. Closing the iterator early cancels the decode call.
+        `priority` is the workers' scheduling priority (lower first)."""
         assert params.max_tokens is not None
         hashes = block_hashes(prompt_ids, self.options.block_size)
         local = self._local_prefill(prompt_ids, hashes)
         first: PrefillResult | None = None
         announced = False
         if local is None:
-            async with aclosing(self._prefill(request_id, prompt_ids, params, hashes)) as items:
+            async with aclosing(self._prefill(request_id, prompt_ids, params, hashes, priority)) as items:
                 async for item in items:
                     if isinstance(item, PrefillResult):
                         first = item
@@ -183,7 +187,7 @@ class Dispatcher:
                         announced = True
                         yield item
         sample = _Sample(request_id, prompt_ids, params, None, hashes,
-                         time.monotonic() + self.options.decode_timeout_s)
+                         time.monotonic() + self.options.decode_timeout_s, priority)
         if first is not None:
             done = params.max_tokens == 1 or first.finish_reason == "stop"
             yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
@@ -220,7 +224,7 @@ class Dispatcher:
         return pick
 
     async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       hashes: Sequence[int]) -> AsyncGenerator[Step | PrefillResult, None]:
+                       hashes: Sequence[int], priority: int) -> AsyncGenerator[Step | PrefillResult, None]:
         """An empty Step once a prefill worker has accepted the request, then the prefill's
         result; no result when the decode worker should compute the prompt."""
         if self.prefill is None:
@@ -238,7 +242,7 @@ class Dispatcher:
             done = False
             try:
                 async with aclosing(self._prefill_on(worker, request_id, prompt_ids, params,
-                                                     announce=not announced)) as items:
+                                                     priority, announce=not announced)) as items:
                     async for item in items:
                         announced = announced or isinstance(item, Step)
                         done = isinstance(item, PrefillResult)
@@ -260,11 +264,11 @@ class Dispatcher:
         self._on_decision("fallback")
 
     async def _prefill_on(self, worker: WorkerState, request_id: str, prompt_ids: list[int],
-                          params: SamplingParams, announce: bool
+                          params: SamplingParams, priority: int, announce: bool
                           ) -> AsyncGenerator[Step | PrefillResult, None]:
         """One prefill attempt: an empty Step once accepted (with `announce`), then the result."""
         call = worker.client.start_prefill(request_id, prompt_ids, params, transfer_id=uuid.uuid4().hex,
-                                           timeout_s=self.options.prefill_timeout_s)
+                                           timeout_s=self.options.prefill_timeout_s, priority=priority)
         attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=False))
         try:
             with _ended_by_router(attempt):
@@ -307,11 +311,12 @@ class Dispatcher:
         remaining = sample.deadline - time.monotonic()
         if remaining <= 0:
             raise WorkerError(worker.target, "timeout", "the sample's decode deadline passed")
-        rid, ids, params = sample.next_call()
+        rid, ids = sample.next_call()
         self.decode.acquire(worker, sample.hashes)
         try:
-            call = worker.client.start_decode(rid, ids, params, sample.kv, timeout_s=remaining,
-                                              announce=announce)
+            call = worker.client.start_decode(rid, ids, sample.params, sample.kv, timeout_s=remaining,
+                                              announce=announce, num_output_tokens=len(sample.generated),
+                                              priority=sample.priority)
             attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=True))
             try:
                 async with aclosing(call.chunks()) as chunks:

@@ -32,7 +32,10 @@ def from_dispatch(error: WorkerError | NoWorkerError, retry_after_s: int) -> Ope
         return OpenAIError(503, f"{error}; retry later", code="worker_unavailable",
                            headers={"Retry-After": str(retry_after_s)})
     if error.kind == "invalid":
-        return OpenAIError(400, error.message.split(": ", 1)[-1])
+        message = error.message.split(": ", 1)[-1]
+        first = message.split(" ", 1)[0].rstrip(":")  # the workers' messages start with the field
+        param = first if first.isidentifier() and first.islower() else None
+        return OpenAIError(400, message, param)
     if error.kind == "timeout":
         return OpenAIError(504, "the worker timed out", code="timeout")
     return OpenAIError(503, f"worker unavailable: {error.message}", code="worker_unavailable",

@@ -188,18 +188,23 @@ class Generator:
             raise OpenAIError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceed "
                                    f"max_model_len={self.processor.max_model_len}", "max_tokens")
         try:
-            return SamplingParams(**fields, logprobs=logprobs,
-                                  max_tokens=room if max_tokens is None else max_tokens)
+            words = fields.pop("bad_words", None)
+            bad = self.processor.bad_words_token_ids(words) if words else None
+            params = SamplingParams(**fields, logprobs=logprobs, bad_words_token_ids=bad,
+                                    max_tokens=room if max_tokens is None else max_tokens)
+            params.check_vocab(self.processor.vocab_size)
+            return params
         except ValueError as e:
-            raise OpenAIError(400, str(e), str(e).split(" ", 1)[0]) from e
+            raise OpenAIError(400, str(e), str(e).split(" ", 1)[0].rstrip(":")) from e
 
     async def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
-                  stops: list[str], include_stop: bool = False) -> AsyncGenerator[Delta, None]:
+                  stops: list[str], include_stop: bool = False, priority: int = 0
+                  ) -> AsyncGenerator[Delta, None]:
         """The deltas of all `n` samples, interleaved as they come. A sample ends at the first of
         `stops` in its text, which keeps that stop string when `include_stop` (vLLM's
-        include_stop_str_in_output)."""
+        include_stop_str_in_output). `priority`: the workers' scheduling priority."""
         if n == 1:
-            only = self._sample(request_id, 0, prompt_ids, params, stops, include_stop)
+            only = self._sample(request_id, 0, prompt_ids, params, stops, include_stop, priority)
             async with aclosing(only) as sample:
                 async for delta in sample:
                     yield delta
@@ -209,7 +214,7 @@ class Generator:
         async def pump(i: int) -> None:
             try:
                 async for delta in self._sample(child_request_id(request_id, i), i, prompt_ids,
-                                                 params.for_child(i), stops, include_stop):
+                                                 params.for_child(i), stops, include_stop, priority):
                     queue.put_nowait(delta)
                 queue.put_nowait(None)
             except Exception as e:
@@ -228,13 +233,14 @@ class Generator:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _sample(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                      stops: list[str], include_stop: bool) -> AsyncGenerator[Delta, None]:
+                      stops: list[str], include_stop: bool, priority: int = 0
+                      ) -> AsyncGenerator[Delta, None]:
         detok = IncrementalDetokenizer(self.tokenizer)
         # Text that may be the start of a stop string waits (unless stop strings are kept anyway).
         hold_back = 0 if include_stop else max((len(s) for s in stops), default=1) - 1
         text, sent, num_tokens, token_chars = "", 0, 0, 0
         start = last = time.perf_counter()
-        async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params)) as steps:
+        async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params, priority)) as steps:
             async for step in steps:
                 if step.accepted:  # a worker has the sample: nothing to say yet
                     yield Delta(index, "", [], [], None, num_tokens, 0)

@@ -47,6 +47,8 @@ TokenCount = Annotated[int, Field(ge=1), BeforeValidator(_json_integer)]
 SampleCount = Annotated[int, Field(ge=1, le=16), BeforeValidator(_json_integer)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_json_integer)]  # workers: int64
 TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_json_integer)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_json_integer)]
+MAX_LIST_FIELD = 1024  # logit_bias entries, allowed_token_ids
 
 
 class StreamOptions(BaseModel):
@@ -84,17 +86,36 @@ class _SamplingFields(BaseModel):
     min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: Annotated[int, Field(ge=0, le=1_000_000), BeforeValidator(_json_integer)] = 0
     ignore_eos: StrictBool = False
-    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX),
-                                             BeforeValidator(_json_integer)]],
-                              Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    # OpenAI's: token id (as a string) -> bias in [-100, 100], added to the logits.
+    logit_bias: Annotated[dict[StrictStr, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LIST_FIELD)] | None = None
+    # vLLM's: sampling only among these ids; bad_words banned (each word, with and without a
+    # leading space, as vLLM tokenizes them); the workers' scheduling priority (lower first).
+    allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST_FIELD)] | None = None
+    bad_words: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=200)]],
+                         Field(max_length=MAX_STOP_STRINGS)] | None = None
+    priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX), BeforeValidator(_json_integer)] = 0
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """The engine SamplingParams fields this request sets (max_tokens and logprobs aside)."""
+        """The engine SamplingParams fields this request sets (max_tokens and logprobs aside;
+        `bad_words` as words, which the generator tokenizes)."""
         return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
                 "repetition_penalty": self.repetition_penalty, "top_k": self.top_k or -1,
                 "min_p": self.min_p, "min_tokens": self.min_tokens, "ignore_eos": self.ignore_eos,
-                "stop_token_ids": list(self.stop_token_ids or [])}
+                "stop_token_ids": list(self.stop_token_ids or []),
+                "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+                "allowed_token_ids": self.allowed_token_ids,  # [] is an error, as in vLLM
+                "bad_words": self.bad_words or None}
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys_are_token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k in v or {}:
+            if not k.isascii() or not k.isdigit() or int(k) > INT32_MAX:
+                raise ValueError(f"keys must be token ids written as strings, got {k!r:.40}")
+        return v
 
     @field_validator("seed")
     @classmethod

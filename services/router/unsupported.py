@@ -2,8 +2,8 @@
 
 A request that uses one gets a 400 in OpenAI's error format whose `param` names the field, never
 a 200 that silently ignores it (a client banning a token with `logit_bias` must not get it back
-unbanned). A field sent with its no-op value (`"echo": false`, `"logit_bias": {}`,
-`"priority": 0`, `"response_format": {"type": "text"}`, `"tool_choice": "none"`, ...) asks for
+unbanned). A field sent with its no-op value (`"echo": false`, `"best_of": 1`,
+`"response_format": {"type": "text"}`, `"tool_choice": "none"`, ...) asks for
 nothing the server does not do and is accepted. Fields outside both APIs' request schemas are
 ignored, as vLLM does, with a debug log line (`log_ignored`).
 
@@ -62,13 +62,9 @@ def _text_modality(v: Any) -> bool:
 
 # Field -> (its no-op test, what a client would expect it to do).
 _SAMPLING: dict[str, tuple[NoOp, str]] = {
-    "logit_bias": (_empty, "biases token logits"),
-    "allowed_token_ids": (_empty, "restricts sampling to the given token ids"),
-    "bad_words": (_empty, "bans words"),
     "prompt_logprobs": (_absent, "returns the prompt's logprobs"),
     "skip_special_tokens": (_true, "keeps special tokens in the text when false"),
     "spaces_between_special_tokens": (_true, "joins special tokens without spaces when false"),
-    "priority": (_zero, "sets the request's scheduling priority"),
     "truncate_prompt_tokens": (_absent, "truncates the prompt"),
     "use_beam_search": (_false, "runs beam search"),
     "length_penalty": (_one, "weighs beam-search lengths"),

@@ -20,6 +20,9 @@ def params_from_proto(msg: pb.SamplingParams, output_kind: RequestOutputKind = R
         repetition_penalty=msg.repetition_penalty, max_tokens=msg.max_tokens,
         min_tokens=msg.min_tokens, stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=list(msg.allowed_token_ids) or None,
+        bad_words_token_ids=[list(w.token_ids) for w in msg.bad_words] or None,
         output_kind=output_kind, kv_transfer_params=kv_transfer_params)
 
 
@@ -32,7 +35,9 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         seed=params.seed, max_tokens=params.max_tokens, min_tokens=params.min_tokens,
         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, logprobs=params.logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        repetition_penalty=params.repetition_penalty)
+        repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
+        allowed_token_ids=params.allowed_token_ids,
+        bad_words=[pb.TokenIds(token_ids=w) for w in params.bad_words_token_ids or ()])
 
 
 def kv_params_from_proto(msg: pb.KVTransferParams | None, num_tokens: int, chunk_size: int

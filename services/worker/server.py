@@ -136,7 +136,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         ids, params = await _parse(context, parse)
         final: RequestOutput | None = None
-        async for out in self._generate(context, request.request_id, ids, params):
+        async for out in self._generate(context, request.request_id, ids, params, request.priority):
             final = out
         assert final is not None and final.finished
         sample = final.outputs[0]
@@ -175,7 +175,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         ids, params = await _parse(context, parse)
         completion_tokens = 0
-        outputs = self._generate(context, request.request_id, ids, params)
+        outputs = self._generate(context, request.request_id, ids, params, request.priority,
+                                 request.num_output_tokens)
         async for out in with_heartbeats(outputs, self.heartbeat_s,
                                          lambda: self.guard.core_alive(self.heartbeat_s)):
             if out is None:  # nothing new for a while, the engine alive: tell the caller
@@ -238,7 +239,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._stats if not engine.errored else None
 
     async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
-                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                        params: SamplingParams, priority: int = 0, num_prior_outputs: int = 0
+                        ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request; errors become status codes, cancel aborts. The
         call's initial metadata goes out as soon as the engine has the request, so the client
         knows it was accepted before the first token (the router starts its HTTP response there)."""
@@ -249,8 +251,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await _fail(context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running")
         self._active.add(request_id)
         try:
-            async for out in engine.generate(ids, params, request_id,
-                                             on_added=lambda: context.send_initial_metadata(())):
+            async for out in engine.generate(ids, params, request_id, priority=priority,
+                                             on_added=lambda: context.send_initial_metadata(()),
+                                             num_prior_outputs=num_prior_outputs):
                 yield out
         except ValueError as e:
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -1,7 +1,9 @@
 """Request migration: with a prefill worker and two decode workers (real processes), a store and the
-router, greedy streams whose decode worker is frozen (SIGSTOP) past the stall timeout, or killed
-(SIGKILL), mid-stream, finish on the other worker with exactly the text of an undisturbed run:
-no error event, no token repeated or missing. The frozen worker, once it wakes, sends nothing into
+router, seeded sampled streams with penalties whose decode worker is frozen (SIGSTOP) past the
+stall timeout, or killed (SIGKILL), mid-stream, finish on the other worker with exactly the text
+of an undisturbed offline run: no error event, no token repeated or missing, no draw changed (a
+seeded draw depends on its output position only, and the new worker counts the streamed tokens
+as outputs for the penalties). The frozen worker, once it wakes, sends nothing into
 the moved streams (the router cancelled its calls; it aborts them and is idle again)."""
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ in_module_loop = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny"
 PROMPTS = [f"Stream number {i} tells a long story about" for i in range(6)]
 NEW_TOKENS = 200
+SAMPLING = {"temperature": 1.0, "top_p": 0.95, "presence_penalty": 0.5, "frequency_penalty": 0.5}
 
 
 @pytest.fixture(scope="module")
 def expected(model_dir: Path) -> dict[str, str]:
     from engine.llm import LLM
 
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, seed=i, **SAMPLING)
+              for i in range(len(PROMPTS))]
     with LLM(model=str(model_dir), num_threads=1, max_model_len=512, num_kv_blocks=96) as llm:
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
     return {p: o.outputs[0].text for p, o in zip(PROMPTS, outs, strict=True)}
@@ -74,9 +78,11 @@ async def run_streams_and_strike(router: ServedRouter, procs: dict[str, Proc], s
     async with openai.AsyncOpenAI(base_url=router.base_url, api_key="x", max_retries=0, timeout=90) as client:
 
         async def one(prompt: str) -> str:
-            stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS,
-                                                     temperature=0, stream=True,
-                                                     extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, stream=True,
+                seed=PROMPTS.index(prompt), temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"],
+                presence_penalty=SAMPLING["presence_penalty"],
+                frequency_penalty=SAMPLING["frequency_penalty"], extra_body={"ignore_eos": True})
             text = ""
             async for chunk in stream:
                 text += chunk.choices[0].text
