@@ -260,6 +260,7 @@ class Scheduler:
                             continue
                         break
                     self.waiting.pop()
+                    self.kv.record_lookup(request, num_hit_tokens)
                     self._load_end[request.request_id] = num_hit_tokens + num_external
                     request.num_computed_tokens = num_hit_tokens
                     request.times.num_cached_tokens = num_hit_tokens
@@ -280,6 +281,7 @@ class Scheduler:
                         break
                     if not self._after_alloc(request, num_external):
                         continue
+                    self.kv.record_lookup(request, num_hit_tokens)
                     request.times.first_scheduled_time = now
                     request.times.num_cached_tokens = loaded
                     request.num_computed_tokens = loaded
@@ -298,6 +300,7 @@ class Scheduler:
             else:
                 request.times.first_scheduled_time = now
                 request.times.num_cached_tokens = num_hit_tokens
+            self.kv.record_lookup(request, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
             budget -= self._start_running(request, n, num_scheduled, new_blocks)
         return budget

@@ -1,5 +1,6 @@
-"""Engine stats accounting: histogram buckets, the scheduler's token and preemption counters, the
-prefix cache's block count, and the stats message crossing the process boundary intact."""
+"""Engine stats accounting: histogram buckets, the scheduler's token and preemption counters, its
+prefix-cache lookups counted once per admission, the prefix cache's block count, and the stats
+message crossing the process boundary intact."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from engine.serial import STATS, MessageCodec
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_batched_tokens: int = 64,
-                   enable_prefix_caching: bool = True) -> Scheduler:
+                   enable_prefix_caching: bool = True, policy: str = "fcfs") -> Scheduler:
     cfg = EngineConfig(model="x", max_model_len=64, block_size=block_size,
                        max_num_batched_tokens=max_num_batched_tokens,
-                       enable_prefix_caching=enable_prefix_caching)
+                       enable_prefix_caching=enable_prefix_caching,
+                       scheduling_policy=policy)  # type: ignore[arg-type]
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, cfg.enable_prefix_caching))
 
 
@@ -75,6 +77,21 @@ def test_scheduler_counts_preemptions() -> None:
     assert s.counters.preemptions >= 1
     assert s.counters.generation_tokens == 24  # a preempted request's tokens are not recounted
     assert s.counters.prompt_tokens == 16
+
+
+def test_a_queue_head_held_back_for_steps_is_looked_up_in_the_prefix_cache_once() -> None:
+    """Shortest-first: the 40-token prompt waits while the 30-token one prefills in chunks of
+    16; vLLM's queries count each admitted request's tokens once, so 30 + 40 here."""
+    s = make_scheduler(num_blocks=64, max_num_batched_tokens=16, policy="sjf")
+    s.add_request(req("a", list(range(100, 130)), max_tokens=1))
+    s.add_request(req("b", list(range(200, 240)), max_tokens=1))
+    for _ in range(20):
+        if not s.has_unfinished_requests():
+            break
+        run_step(s)
+    assert not s.has_unfinished_requests()
+    assert (s.kv.stats.queries, s.kv.stats.hits) == (70, 0)
+    assert s.counters.prompt_tokens == 70
 
 
 def test_prefix_cached_blocks_count_full_blocks_until_evicted() -> None:
