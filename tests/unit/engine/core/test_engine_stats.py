@@ -8,7 +8,13 @@ import math
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.outputs import EngineStats, Histogram, KVTransferStats, ModelRunnerOutput
+from engine.core.outputs import (
+    EngineStats,
+    Histogram,
+    KVTransferStats,
+    ModelRunnerOutput,
+    RequestHistograms,
+)
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
@@ -62,6 +68,9 @@ def test_scheduler_counts_prompt_and_generated_tokens_once_per_request() -> None
     assert s.counters.prompt_tokens == 15
     assert s.counters.generation_tokens == 5
     assert s.counters.preemptions == 0
+    finished = s.counters.histograms
+    assert finished.prompt_tokens.count == 2 and finished.prompt_tokens.total == 15
+    assert finished.generation_tokens.total == 5 and finished.time_per_output_token.count == 5 - 2
 
 
 def test_scheduler_counts_preemptions() -> None:
@@ -111,13 +120,18 @@ def test_engine_stats_cross_the_process_boundary_unchanged() -> None:
     step.observe(0.05)
     transfer = KVTransferStats(load_bytes=4096, save_bytes=8192, load_failures=1)
     transfer.save_seconds.observe(0.002)
+    requests = RequestHistograms.create(max_model_len=512)
+    requests.prompt_tokens.observe(40)
+    requests.queue_seconds.observe(0.2)
     stats = EngineStats(num_waiting=1, num_running=2, num_free_blocks=3, num_total_blocks=4,
                         kv_usage=0.25, prefix_cache_queries=64, prefix_cache_hits=32,
                         num_cached_blocks=5, num_prompt_tokens=64, num_generation_tokens=9,
-                        num_preemptions=1, step_seconds=step, kv_transfer=transfer)
+                        num_preemptions=1, step_seconds=step, kv_transfer=transfer,
+                        requests=requests)
     codec = MessageCodec()
     kind, decoded = codec.decode(codec.encode(STATS, stats))
     assert kind == STATS and decoded == stats
     assert decoded.kv_transfer.save_seconds.count == 1
+    assert decoded.requests.prompt_tokens.bounds[-1] == 500 and decoded.requests.prompt_tokens.count == 1
     legacy = EngineStats(0, 0, 3, 4, 0.0, 0, 0)  # the old fields only: defaults fill the rest
     assert codec.decode(codec.encode(STATS, legacy))[1].step_seconds.count == 0
