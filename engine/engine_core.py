@@ -121,6 +121,7 @@ class EngineCore:
             num_preemptions=counters.preemptions,
             step_seconds=self.step_seconds.copy(),
             kv_transfer=connector.get_transfer_stats() if connector is not None else None,
+            requests=counters.histograms.copy(),
         )
 
     def reset_prefix_cache(self) -> bool:

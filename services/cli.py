@@ -136,6 +136,9 @@ def _add_worker(subparsers: Any) -> None:
                    help="on SIGTERM, how long in-flight calls may finish")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (default: off)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients use, the router's --model: the metrics' model_name "
+                        "label (default: --model)")
     p.add_argument("--reuse-port", action="store_true",
                    help="let several worker processes share --port (SO_REUSEPORT); by default a "
                         "taken port is an error")
@@ -182,7 +185,8 @@ def _run_worker(args: argparse.Namespace) -> int:
                          step_timeout_s=args.step_timeout_s, max_restarts=args.max_engine_restarts)
     options = WorkerOptions(role=args.role, engine=engine, host=args.host, port=port, grace_s=args.grace_s,
                             metrics_port=args.metrics_port, heartbeat_s=args.heartbeat_s,
-                            reuse_port=args.reuse_port, guard=guard)
+                            reuse_port=args.reuse_port, guard=guard,
+                            served_model_name=args.served_model_name)
     try:
         return asyncio.run(serve(options))
     except PortInUseError as e:

@@ -118,7 +118,7 @@ def _metrics_args(args: argparse.Namespace, grpc_port: int) -> list[str]:
 
 
 def _worker_args(args: argparse.Namespace, folder: str, store: str) -> list[str]:
-    out = ["--kv-store-url", store, "--model", folder]
+    out = ["--kv-store-url", store, "--model", folder, "--served-model-name", args.model]
     for flag, value in (("--num-threads", args.num_threads), ("--kv-cache-gib", args.kv_cache_gib),
                         ("--max-model-len", args.max_model_len)):
         if value is not None:

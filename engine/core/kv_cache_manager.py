@@ -69,7 +69,8 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Longest run of cached full blocks at the start of the request, and its token count.
 
-        At least the last token is always left to compute, so the request gets logits.
+        At least the last token is always left to compute, so the request gets logits. Not
+        counted in `stats`: the scheduler records the lookup it acts on (`record_lookup`).
         """
         if not self.enable_caching:
             return [], 0
@@ -81,10 +82,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        num_hit_tokens = len(hits) * self.block_size
-        self.stats.queries += request.num_tokens
-        self.stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return hits, len(hits) * self.block_size
+
+    def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Counts the lookup of a request being scheduled (or starting its KV load): its tokens
+        as queries, `num_hit_tokens` as hits (vLLM's prefix_cache_queries / hits, in tokens).
+        A queue head looked up again and again while it waits (no blocks, or shortest-first
+        holding it back) counts once; a preempted request counts again when it resumes."""
+        if self.enable_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_hit_tokens
 
     def allocate_slots(
         self,

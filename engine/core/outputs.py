@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.sampling_params import SamplingParams
@@ -64,6 +64,8 @@ class RequestTimes:
     finished_time: float = 0.0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    last_token_time: float = 0.0  # of the last step that gave it tokens
+    num_generated_tokens: int = 0  # by this engine (not outputs it was given to continue from)
 
 
 @dataclass
@@ -137,6 +139,13 @@ class ModelRunnerOutput:
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
                         5.0, 10.0)
 KV_TRANSFER_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# vLLM's buckets (vllm/v1/metrics/loggers.py) for the histograms of the same names.
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                           60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 
 
 @dataclass
@@ -154,7 +163,7 @@ class Histogram:
 
     @classmethod
     def with_bounds(cls, bounds: tuple[float, ...] | list[float]) -> Histogram:
-        return cls(list(bounds), [0] * (len(bounds) + 1))
+        return cls([float(b) for b in bounds], [0] * (len(bounds) + 1))
 
     def observe(self, value: float) -> None:
         self.counts[bisect.bisect_left(self.bounds, value)] += 1
@@ -171,6 +180,18 @@ class Histogram:
             running += n
             out.append((bound, running))
         return out
+
+
+def buckets_1_2_5(max_value: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's token-count buckets)."""
+    out: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return out
+            out.append(float(mantissa * scale))
+        scale *= 10
 
 
 def _step_histogram() -> Histogram:
@@ -202,6 +223,38 @@ class KVTransferStats:
 
 
 @dataclass
+class RequestHistograms:
+    """vLLM's per-request and per-step histograms, since start-up (what each one observes:
+    engine/core/request_stats.py). Token counts use 1-2-5 buckets up to max_model_len."""
+
+    queue_seconds: Histogram  # arrival -> first scheduled
+    prefill_seconds: Histogram  # first scheduled -> first token
+    decode_seconds: Histogram  # first token -> last token
+    inference_seconds: Histogram  # first scheduled -> last token
+    time_per_output_token: Histogram  # between a request's consecutive tokens
+    iteration_tokens: Histogram  # prompt + generated tokens counted in one step
+    prompt_tokens: Histogram
+    generation_tokens: Histogram
+    max_num_generation_tokens: Histogram
+    params_n: Histogram
+
+    @classmethod
+    def create(cls, max_model_len: int = 4096) -> RequestHistograms:
+        tokens, latency, h = buckets_1_2_5(max_model_len), REQUEST_LATENCY_BUCKETS, Histogram.with_bounds
+        return cls(queue_seconds=h(latency), prefill_seconds=h(latency), decode_seconds=h(latency),
+                   inference_seconds=h(latency), time_per_output_token=h(TIME_PER_OUTPUT_TOKEN_BUCKETS),
+                   iteration_tokens=h(ITERATION_TOKENS_BUCKETS), prompt_tokens=h(tokens),
+                   generation_tokens=h(tokens), max_num_generation_tokens=h(tokens),
+                   params_n=h(PARAMS_N_BUCKETS))
+
+    def copy(self) -> RequestHistograms:
+        return RequestHistograms(*(h.copy() for h in self.all()))
+
+    def all(self) -> list[Histogram]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+
+@dataclass
 class EngineStats:
     """A snapshot of the engine's queues and KV cache, and its counters since start-up."""
 
@@ -220,3 +273,4 @@ class EngineStats:
     num_preemptions: int = 0
     step_seconds: Histogram = field(default_factory=_step_histogram)  # steps that computed tokens
     kv_transfer: KVTransferStats | None = None  # None without a KV connector
+    requests: RequestHistograms = field(default_factory=RequestHistograms.create)

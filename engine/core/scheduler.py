@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
@@ -31,21 +30,13 @@ from engine.core.outputs import (
 )
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import ShortestFirstQueue, make_queue, tokens_left
+from engine.core.request_stats import SchedulerCounters
 from engine.core.stop_check import check_stop
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorOutput, KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SchedulerCounters:
-    """Totals since start-up, for metrics (a few integer adds per step)."""
-
-    prompt_tokens: int = 0  # prompts of requests that produced their first token
-    generation_tokens: int = 0
-    preemptions: int = 0
 
 
 class Scheduler:
@@ -74,7 +65,7 @@ class Scheduler:
         self._rollback: set[str] = set()  # their load failed: discard the step, recompute
         self._no_external: set[str] = set()  # recompute these without the connector
         self._load_end: dict[str, int] = {}  # async loads: tokens computed once the load is in
-        self.counters = SchedulerCounters()
+        self.counters = SchedulerCounters.create(config.model_len)
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -260,6 +251,7 @@ class Scheduler:
                             continue
                         break
                     self.waiting.pop()
+                    self.kv.record_lookup(request, num_hit_tokens)
                     self._load_end[request.request_id] = num_hit_tokens + num_external
                     request.num_computed_tokens = num_hit_tokens
                     request.times.num_cached_tokens = num_hit_tokens
@@ -280,6 +272,7 @@ class Scheduler:
                         break
                     if not self._after_alloc(request, num_external):
                         continue
+                    self.kv.record_lookup(request, num_hit_tokens)
                     request.times.first_scheduled_time = now
                     request.times.num_cached_tokens = loaded
                     request.num_computed_tokens = loaded
@@ -298,6 +291,7 @@ class Scheduler:
             else:
                 request.times.first_scheduled_time = now
                 request.times.num_cached_tokens = num_hit_tokens
+            self.kv.record_lookup(request, num_hit_tokens)
             request.num_computed_tokens = num_hit_tokens
             budget -= self._start_running(request, n, num_scheduled, new_blocks)
         return budget
@@ -418,6 +412,7 @@ class Scheduler:
         request.status = RequestStatus.FINISHED_ABORTED
         request.stop_reason = reason
         request.times.finished_time = time.time()
+        self.counters.on_finished(request)
         self._free(request)
         self._failed_outputs.append(EngineCoreOutput(
             request.request_id, [], finish_reason=request.status.finish_reason,
@@ -451,21 +446,20 @@ class Scheduler:
                 continue
             if not token_ids or request is None or request.is_finished:
                 continue
-            if request.num_new_output_tokens == 0:
-                request.times.first_token_time = now
-                self.counters.prompt_tokens += request.num_prompt_tokens
+            self.counters.on_tokens(request, len(token_ids), now)
             request.append_output_token_ids(token_ids)
-            self.counters.generation_tokens += len(token_ids)
             out = EngineCoreOutput(req_id, list(token_ids), [lp] if lp is not None else None)
             if check_stop(request, self.max_model_len):
                 self.running.remove(request)
                 self._free(request)
                 request.times.finished_time = now
+                self.counters.on_finished(request)
                 out.finish_reason = request.status.finish_reason
                 out.stop_reason = request.stop_reason
                 out.times = request.times
                 out.kv_transfer_params = request.kv_transfer_params
             outputs.append(out)
+        self.counters.end_step()
         return EngineCoreOutputs(outputs=outputs, timestamp=now)
 
     def _free(self, request: Request) -> None:

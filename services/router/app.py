@@ -69,7 +69,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
                                 on_decision=lambda d: holder[0].decisions.labels(d).inc(),
                                 on_prefill_failure=lambda w: holder[0].prefill_failures.labels(w).inc(),
                                 on_migration=lambda why: holder[0].migrations.labels(why).inc())
-        holder.append(RouterMetrics(config.model, dispatcher.pools))
+        holder.append(RouterMetrics(config.model, dispatcher.pools, config.max_model_len))
         state["gen"] = Generator(config, tokenizer, dispatcher, holder[0])
         dispatcher.start()
         # What exists now (tokenizer, torch, FastAPI, pydantic: millions of objects) lives as long as

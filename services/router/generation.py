@@ -207,6 +207,8 @@ class Generator:
             only = self._sample(request_id, 0, prompt_ids, params, stops, include_stop, priority)
             async with aclosing(only) as sample:
                 async for delta in sample:
+                    if delta.finish_reason:
+                        self.metrics.request_finished(1, delta.completion_tokens)
                     yield delta
             return
         queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
@@ -221,11 +223,16 @@ class Generator:
                 queue.put_nowait(e)
 
         tasks = [asyncio.create_task(pump(i)) for i in range(n)]
+        finished, most = 0, 0  # samples finished, tokens of the longest
         try:
             for _ in range(n):
                 while (item := await queue.get()) is not None:
                     if isinstance(item, BaseException):
                         raise item
+                    if item.finish_reason:
+                        finished, most = finished + 1, max(most, item.completion_tokens)
+                        if finished == n:
+                            self.metrics.request_finished(n, most)
                     yield item
         finally:
             for task in tasks:
@@ -259,7 +266,7 @@ class Generator:
                 end = len(text) if finish else max(sent, len(text) - hold_back)
                 if finish:
                     self.metrics.e2e.observe(now - start)
-                    self.metrics.success.labels(self.config.model, finish).inc()
+                    self.metrics.success.labels(finish).inc()
                     self.metrics.generation_tokens.inc(num_tokens)
                 yield Delta(index, text[sent:end], step.token_ids, step.logprobs, finish, num_tokens,
                             step.cached_tokens, token_chars, params.logprobs or 0)

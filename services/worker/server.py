@@ -48,7 +48,7 @@ from services.worker.convert import (
 )
 from services.worker.engine_guard import EngineGaveUp, EngineGuard, GuardOptions
 from services.worker.heartbeats import with_heartbeats
-from services.worker.metrics import WorkerMetrics
+from services.worker.metrics import WorkerMetrics, cache_config_labels
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class WorkerOptions:
     heartbeat_s: float = 1.0  # an idle Decode stream gets an empty chunk this often
     reuse_port: bool = False  # SO_REUSEPORT: several worker processes share `port` (asked for only)
     guard: GuardOptions = field(default_factory=GuardOptions)
+    served_model_name: str | None = None  # the metrics' model_name (the router's); None = engine.model
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -88,6 +89,10 @@ class WorkerOptions:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
 
     @property
     def engine_config(self) -> EngineConfig:
@@ -303,7 +308,8 @@ class WorkerServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._guard_task: asyncio.Task[None] | None = None
         if o.metrics_port is not None:
-            self.metrics = WorkerMetrics(o.engine.model, o.role, self._stats_for_scrape)
+            self.metrics = WorkerMetrics(o.model_name, o.role, self._stats_for_scrape, instance_id(),
+                                         cache_config_labels(o.engine))
         what = f"{o.role} worker"
         checked = ((o.port, what),) if not o.reuse_port else ()
         for port, name in (*checked, (o.metrics_port, f"{what} metrics")):

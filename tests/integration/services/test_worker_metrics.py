@@ -2,7 +2,8 @@
 over HTTP; after real requests the scraped counters equal what the requests did (tokens
 generated, prompt tokens, KV saved by the prefill worker and loaded by the decode worker), the
 queue gauges are back to 0, RPCs are counted by status code, and the Load RPC carries the prefix
-cache summary. Stopping a worker closes its metrics endpoint."""
+cache summary. Stopping a worker closes its metrics endpoint. Samples are labelled with the served
+model name, the role and the process's instance id."""
 
 from __future__ import annotations
 
@@ -69,7 +70,8 @@ async def scrape(server: WorkerServer) -> Samples:
 
 def value(samples: Samples, server: WorkerServer, name: str, **labels: str) -> float:
     """The sample's value (0 when absent, as for a counter never incremented)."""
-    key = {"model_name": server.options.engine.model, "role": server.options.role, **labels}
+    key = {"model_name": server.options.model_name, "role": server.options.role,
+           "instance": server.servicer.instance_id, **labels}
     return samples.get((name, frozenset(key.items())), 0.0)
 
 
@@ -140,6 +142,9 @@ async def test_prefill_saves_and_decode_loads_kv_in_the_metrics(pd: dict[str, Wo
     assert value(p_after, prefill, "pdserve:kv_transfer_failures_total", direction="save") == 0
     assert delta(prefill, p_after, p_before, "vllm:generation_tokens_total") == 1
     assert delta(decode, d_after, d_before, "vllm:generation_tokens_total") == n == 4
+    # The prompt counts once, where it was computed: the decode half continues it.
+    assert delta(prefill, p_after, p_before, "vllm:prompt_tokens_total") == len(prompt)
+    assert delta(decode, d_after, d_before, "vllm:prompt_tokens_total") == 0
     assert delta(prefill, p_after, p_before, "pdserve:worker_rpcs_total", method="Prefill", code="OK") == 1
 
 
@@ -205,3 +210,18 @@ def test_metrics_port_is_off_unless_given() -> None:
     assert WorkerOptions(role="decode").metrics_port is None
     with pytest.raises(ValueError, match="metrics_port"):
         WorkerOptions(role="decode", metrics_port=70000)
+
+
+def test_the_model_name_label_is_the_served_name_pdserve_up_gives_every_worker() -> None:
+    from services.cli import build_parser
+    from services.up import _worker_args
+
+    args = build_parser().parse_args(["worker", "--role", "decode", "--model", "/models/m",
+                                      "--served-model-name", "m"])
+    assert args.served_model_name == "m"
+    config = EngineConfig(model="/models/m")
+    assert WorkerOptions(role="decode", engine=config, served_model_name="m").model_name == "m"
+    assert WorkerOptions(role="decode", engine=config).model_name == "/models/m"
+    up = build_parser().parse_args(["up", "--model", "smollm2-135m-instruct"])
+    argv = _worker_args(up, "/cache/models/smollm2", "grpc://127.0.0.1:50071")
+    assert argv[argv.index("--served-model-name") + 1] == "smollm2-135m-instruct"  # the router's --model

@@ -121,8 +121,14 @@ def test_decode_tokens_fill_and_cache_blocks_as_they_complete() -> None:
     assert a.block_hashes == block_hashes_for([1, 2, 3, 4], 4)
 
 
-def test_stats_count_queried_and_hit_tokens() -> None:
+def test_stats_count_queried_and_hit_tokens_of_recorded_lookups_only() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=4)
     kv.allocate_slots(make_request("a", list(range(9))), 9)
-    kv.get_computed_blocks(make_request("b", list(range(9))))
+    b = make_request("b", list(range(9)))
+    _, num_hit_tokens = kv.get_computed_blocks(b)
+    assert (kv.stats.queries, kv.stats.hits) == (0, 0)  # the scheduler records what it acts on
+    kv.record_lookup(b, num_hit_tokens)
     assert (kv.stats.queries, kv.stats.hits) == (9, 8)
+    off = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
+    off.record_lookup(b, 0)
+    assert (off.stats.queries, off.stats.hits) == (0, 0)  # no prefix cache, no queries (as vLLM)
