@@ -17,7 +17,14 @@ from typing import Any
 
 from engine.core.outputs import EngineCoreOutput, EngineCoreRequest, LogprobsEntry
 from engine.detokenizer import IncrementalDetokenizer, decode_token
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -119,6 +126,8 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -132,12 +141,14 @@ class _RequestState:
         samples = sorted(self.samples.values(), key=lambda s: s.index)
         if delta:
             samples = [s for s in samples if s.index in changed]
+        prompt_logprobs = None if delta and self.prompt_logprobs_sent else self.prompt_logprobs
+        self.prompt_logprobs_sent = self.prompt_logprobs is not None
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.to_completion(delta) for s in samples], finished=finished,
             metrics=self.metrics, num_cached_tokens=self.num_cached_tokens,
-            kv_transfer_params=self.kv_transfer_params)
+            kv_transfer_params=self.kv_transfer_params, prompt_logprobs=prompt_logprobs)
 
 
 class OutputProcessor:
@@ -247,6 +258,8 @@ class OutputProcessor:
         if out.new_token_ids and not state.metrics.first_token_time:
             state.metrics.first_token_time = now
         sample.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None and state.prompt_logprobs is None:
+            state.prompt_logprobs = [None, *map(self._decode_logprobs, out.prompt_logprobs)]
         if sample.logprobs is not None and out.new_logprobs:
             self._add_logprobs(sample, out.new_logprobs)
         old_len = len(sample.text)
@@ -328,4 +341,6 @@ def _merge_delta(old: RequestOutput, new: RequestOutput) -> RequestOutput:
             cumulative_logprob=c.cumulative_logprob, logprobs=logprobs,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
     new.outputs = [by_index[i] for i in sorted(by_index)]
+    if new.prompt_logprobs is None:
+        new.prompt_logprobs = old.prompt_logprobs
     return new

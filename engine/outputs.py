@@ -22,6 +22,7 @@ class Logprob:
 
 # One dict per generated position: token id -> its Logprob (the sampled token and the top-n).
 SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # the first prompt token has none
 
 
 @dataclass
@@ -92,3 +93,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None
     kv_transfer_params: dict[str, Any] | None = None  # from a KV connector, on the final output
+    # With prompt_logprobs: None for the first prompt token, then each one's logprobs (the
+    # prompt token first, then the top-n). DELTA outputs carry it once, CUMULATIVE ones always.
+    prompt_logprobs: PromptLogprobs | None = None

@@ -26,6 +26,7 @@ from engine.core.outputs import (
 )
 from engine.cuda_graphs import DecodeGraphs
 from engine.sample.metadata import SamplingMetadata
+from engine.sample.prompt_logprobs import prompt_logprobs
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 
@@ -89,6 +90,8 @@ class _Batch:
     metadata: AttentionMetadata
     sample_req_idx: list[int]  # batch indices of the requests that sample
     logits_rows: torch.Tensor  # [num_sampled] int64, each one's last token row
+    starts: list[int]  # per request: its first scheduled position (tokens computed before)
+    row_starts: list[int]  # per request: its first row in the flattened batch
 
 
 class ModelRunner:
@@ -221,7 +224,15 @@ class ModelRunner:
             out = self.sampler(logits, self._sampling_metadata(states))
             self._record(batch, states, out, sampled, logprobs)
         any_logprobs = any(lp is not None for lp in logprobs)
-        return ModelRunnerOutput(batch.req_ids, sampled, logprobs if any_logprobs else [])
+        result = ModelRunnerOutput(batch.req_ids, sampled, logprobs if any_logprobs else [])
+        for i, req_id in enumerate(batch.req_ids):
+            state = self.requests[req_id]
+            if state.sampling_params.prompt_logprobs is not None:
+                entries = prompt_logprobs(self.model, hidden, state, batch.starts[i],
+                                          batch.row_starts[i], batch.metadata.query_lens_cpu[i])
+                if entries:
+                    result.prompt_logprobs[req_id] = (batch.starts[i], entries)
+        return result
 
     def _prepare_batch(self, num_scheduled: dict[str, int]) -> _Batch:
         if self._copies_done is not None:
@@ -251,7 +262,7 @@ class ModelRunner:
         logits_rows = torch.tensor([int(cu[i + 1]) - 1 for i in sample_idx], dtype=torch.int64)
         batch = _Batch(req_ids, self._to_device(torch.from_numpy(ids)),
                        self._to_device(torch.from_numpy(pos)), metadata, sample_idx,
-                       logits_rows.to(self.device))
+                       logits_rows.to(self.device), computed.tolist(), cu[:-1].tolist())
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()

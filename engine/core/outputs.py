@@ -79,6 +79,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     times: RequestTimes | None = None  # set on the final output
     kv_transfer_params: dict[str, Any] | None = None  # set on the final output by a connector
+    # With prompt_logprobs: on the output with the request's first new token, one entry per
+    # prompt position after the first (the prompt token there first, then the top-n).
+    prompt_logprobs: list[LogprobsEntry] | None = None
 
     @property
     def finished(self) -> bool:
@@ -134,6 +137,9 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]  # same order as req_ids
     logprobs: list[LogprobsEntry | None] = field(default_factory=list)  # same order, or empty
     kv_connector_output: Any = None  # engine.connector.base.KVConnectorOutput, or None
+    # Requests with prompt_logprobs whose prompt positions ran this step: req_id -> (j, entries),
+    # entries[k] for the prompt token at j + 1 + k (predicted at position j + k).
+    prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] = field(default_factory=dict)
 
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from engine.core.outputs import EngineCoreRequest, FinishReason, RequestTimes
+from engine.core.outputs import EngineCoreRequest, FinishReason, LogprobsEntry, RequestTimes
 from engine.sampling_params import SamplingParams
 
 
@@ -70,6 +70,7 @@ class Request:
         self.times = RequestTimes(arrival_time=arrival_time)
         self.max_tokens = sampling_params.max_tokens
         self.kv_transfer_params: dict[str, Any] | None = None  # set by a connector at the end
+        self.prompt_logprobs: list[LogprobsEntry] = []  # prompt positions 1.. so far (if asked)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -24,6 +24,7 @@ from engine.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
+    LogprobsEntry,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -233,9 +234,11 @@ class Scheduler:
                 request.times.first_scheduled_time = request.times.first_scheduled_time or now
                 budget -= self._start_running(request, n, num_scheduled, new_blocks)
                 continue
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            # prompt_logprobs need every prompt position computed here (as vLLM: no cache hits)
+            computes_all = request.sampling_params.prompt_logprobs is not None
+            hits, num_hit_tokens = ([], 0) if computes_all else self.kv.get_computed_blocks(request)
             if (self.connector is not None and request.status == RequestStatus.WAITING
-                    and request.request_id not in self._no_external):
+                    and request.request_id not in self._no_external and not computes_all):
                 try:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(
                         request, num_hit_tokens)
@@ -444,11 +447,16 @@ class Scheduler:
                 self._rollback.discard(req_id)
                 self._roll_back(request)
                 continue
+            if request is not None and req_id in runner_output.prompt_logprobs:
+                _keep_prompt_logprobs(request, *runner_output.prompt_logprobs[req_id])
             if not token_ids or request is None or request.is_finished:
                 continue
+            first = request.num_new_output_tokens == 0
             self.counters.on_tokens(request, len(token_ids), now)
             request.append_output_token_ids(token_ids)
             out = EngineCoreOutput(req_id, list(token_ids), [lp] if lp is not None else None)
+            if first and request.sampling_params.prompt_logprobs is not None:
+                out.prompt_logprobs = list(request.prompt_logprobs)
             if check_stop(request, self.max_model_len):
                 self.running.remove(request)
                 self._free(request)
@@ -479,3 +487,11 @@ class Scheduler:
         if request.request_id in self._known_by_runner:
             self._known_by_runner.discard(request.request_id)
             self._finished_for_runner.add(request.request_id)
+
+
+def _keep_prompt_logprobs(request: Request, start: int, entries: list[LogprobsEntry]) -> None:
+    """Appends a step's prompt logprobs (entries[k] for prompt token start + 1 + k), skipping
+    positions already kept (a preempted or rolled-back request computes them again)."""
+    have = len(request.prompt_logprobs)
+    if start <= have:
+        request.prompt_logprobs.extend(entries[have - start:])

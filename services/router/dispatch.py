@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.sampling_params import SamplingParams
@@ -99,6 +99,7 @@ class Step:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str = ""
     cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # with the first token
 
     @property
     def accepted(self) -> bool:
@@ -192,7 +193,7 @@ class Dispatcher:
             done = params.max_tokens == 1 or first.finish_reason == "stop"
             yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
                        finish_reason=(first.finish_reason or "length") if done else "",
-                       cached_tokens=first.num_cached_tokens)
+                       cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs)
             if done:
                 return
             sample.generated.append(first.first_token_id)
@@ -314,7 +315,9 @@ class Dispatcher:
         rid, ids = sample.next_call()
         self.decode.acquire(worker, sample.hashes)
         try:
-            call = worker.client.start_decode(rid, ids, sample.params, sample.kv, timeout_s=remaining,
+            # prompt logprobs come from the call that computes the first token, once
+            params = replace(sample.params, prompt_logprobs=None) if sample.generated else sample.params
+            call = worker.client.start_decode(rid, ids, params, sample.kv, timeout_s=remaining,
                                               announce=announce, num_output_tokens=len(sample.generated),
                                               priority=sample.priority)
             attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=True))
@@ -334,7 +337,7 @@ class Dispatcher:
                             sample.generated.extend(chunk.token_ids)
                             attempt.pause()
                             yield Step(chunk.token_ids, chunk.logprobs, chunk.finish_reason,
-                                       chunk.cached_tokens)
+                                       chunk.cached_tokens, chunk.prompt_logprobs)
                             attempt.touch()
                             if chunk.finish_reason:
                                 return

@@ -82,6 +82,7 @@ class PrefillResult:
     kv_transfer_params: dict[str, Any] | None
     num_cached_tokens: int
     logprobs: PositionLogprobs | None = None  # the first token's, when asked for
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # positions 1.., if asked
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class DecodeChunk:
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str = ""
     usage: Usage | None = None
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # first chunk, if asked
 
     @property
     def cached_tokens(self) -> int:
@@ -138,7 +140,7 @@ class PrefillCall:
         kv = kv_params_to_dict(reply.kv_transfer) if reply.HasField("kv_transfer") else None
         logprobs = _logprobs(reply.first_logprobs) if reply.HasField("first_logprobs") else None
         return PrefillResult(reply.first_token_id, reply.finish_reason, kv, reply.num_cached_tokens,
-                             logprobs)
+                             logprobs, [_logprobs(p) for p in reply.prompt_logprobs])
 
     def cancel(self) -> None:
         """No-op once the call ended."""
@@ -148,7 +150,8 @@ class PrefillCall:
 def _chunk(c: pb.DecodeChunk) -> DecodeChunk:
     u = c.usage
     usage = Usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens) if c.HasField("usage") else None
-    return DecodeChunk(list(c.token_ids), [_logprobs(p) for p in c.logprobs], c.finish_reason, usage)
+    return DecodeChunk(list(c.token_ids), [_logprobs(p) for p in c.logprobs], c.finish_reason, usage,
+                       [_logprobs(p) for p in c.prompt_logprobs])
 
 
 class DecodeCall:

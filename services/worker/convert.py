@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.connector.transfer_params import check_transfer_params
-from engine.outputs import CompletionOutput
+from engine.outputs import CompletionOutput, PromptLogprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from protos import worker_pb2 as pb
 
@@ -23,6 +23,7 @@ def params_from_proto(msg: pb.SamplingParams, output_kind: RequestOutputKind = R
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(msg.allowed_token_ids) or None,
         bad_words_token_ids=[list(w.token_ids) for w in msg.bad_words] or None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         output_kind=output_kind, kv_transfer_params=kv_transfer_params)
 
 
@@ -36,7 +37,7 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         stop_token_ids=params.stop_token_ids, ignore_eos=params.ignore_eos, logprobs=params.logprobs,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
-        allowed_token_ids=params.allowed_token_ids,
+        allowed_token_ids=params.allowed_token_ids, prompt_logprobs=params.prompt_logprobs,
         bad_words=[pb.TokenIds(token_ids=w) for w in params.bad_words_token_ids or ()])
 
 
@@ -81,9 +82,16 @@ def position_to_proto(position: dict[int, Any]) -> pb.PositionLogprobs:
                                            for t, lp in position.items()])
 
 
-def chunk_from_output(sample: CompletionOutput) -> pb.DecodeChunk:
+def prompt_logprobs_to_proto(positions: PromptLogprobs | None) -> list[pb.PositionLogprobs]:
+    """The wire form of a RequestOutput's prompt_logprobs (the first position's None left out)."""
+    return [position_to_proto(p) for p in (positions or [])[1:] if p is not None]
+
+
+def chunk_from_output(sample: CompletionOutput, prompt_logprobs: PromptLogprobs | None = None
+                      ) -> pb.DecodeChunk:
     """A DecodeChunk of one DELTA output (no usage; the server adds it to the last chunk)."""
-    chunk = pb.DecodeChunk(token_ids=sample.token_ids, finish_reason=sample.finish_reason or "")
+    chunk = pb.DecodeChunk(token_ids=sample.token_ids, finish_reason=sample.finish_reason or "",
+                           prompt_logprobs=prompt_logprobs_to_proto(prompt_logprobs))
     chunk.logprobs.extend(position_to_proto(position) for position in sample.logprobs or [])
     if isinstance(sample.stop_reason, int):
         chunk.stop_token_id = sample.stop_reason

@@ -44,6 +44,7 @@ from services.worker.convert import (
     kv_params_to_proto,
     params_from_proto,
     position_to_proto,
+    prompt_logprobs_to_proto,
     token_ids_from_proto,
 )
 from services.worker.engine_guard import EngineGaveUp, EngineGuard, GuardOptions
@@ -156,6 +157,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                                    num_cached_tokens=final.num_cached_tokens or 0)
         if sample.logprobs:
             reply.first_logprobs.CopyFrom(position_to_proto(sample.logprobs[0]))
+        reply.prompt_logprobs.extend(prompt_logprobs_to_proto(final.prompt_logprobs))
         return reply
 
     def _ends_request(self, token: int, params: SamplingParams, min_tokens: int) -> bool:
@@ -191,7 +193,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             completion_tokens += len(sample.token_ids)
             if not sample.token_ids and not out.finished:
                 continue
-            chunk = chunk_from_output(sample)
+            chunk = chunk_from_output(sample, out.prompt_logprobs)
             if out.finished:
                 chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                                               cached_tokens=out.num_cached_tokens or 0))

@@ -143,3 +143,40 @@ def test_seeded_tokens_are_the_same_alone_batched_chunked_and_preempted(model_di
         assert a.token_ids == b.token_ids == c.token_ids
         assert a.cumulative_logprob == pytest.approx(c.cumulative_logprob, abs=1e-4)
     assert len({tuple(a.token_ids) for a in alone}) == len(prompts)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_prompt_logprobs_equal_transformers_log_softmax(model_dir: Path, llm: Any, hf_model: Any,
+                                                        chunked: bool) -> None:
+    from engine.llm import LLM
+
+    prompts = [list(range(300, 300 + n)) for n in (2, 17, 40)] + PROMPTS
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=4)
+    if chunked:  # prompt positions come chunk by chunk; a cached prefix is computed again
+        with LLM(model=str(model_dir), num_threads=1, max_model_len=256,
+                 max_num_batched_tokens=16) as small:
+            small.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+            outs = small.generate(prompts, params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0].double(), dim=-1)
+        got = out.prompt_logprobs
+        assert got is not None and len(got) == len(prompt) and got[0] is None
+        for pos in range(1, len(prompt)):
+            entry = got[pos]
+            assert entry is not None
+            row = ref[pos - 1]  # the logits before token `pos` predict it
+            tok = prompt[pos]
+            assert entry[tok].logprob == pytest.approx(float(row[tok]), abs=1e-4)
+            rank = entry[tok].rank
+            assert rank is not None  # ties within float noise may order either way:
+            assert int((row > row[tok] + 1e-4).sum()) + 1 <= rank <= int((row > row[tok] - 1e-4).sum()) + 1
+            top = {t: lp for t, lp in entry.items() if lp.rank is not None and lp.rank <= 4}
+            assert len(top) == 4 or tok in top  # the prompt token may be one of the top 4
+            assert sorted(lp.logprob for lp in top.values())[::-1][:4] == pytest.approx(
+                row.topk(4).values.tolist()[:len(top)], abs=1e-4)
+            for t, lp in top.items():
+                assert lp.logprob == pytest.approx(float(row[t]), abs=1e-4)
+        assert out.outputs[0].token_ids  # the request still generates

@@ -221,3 +221,20 @@ async def test_stop_strings_kept_in_the_output_are_the_same_split_and_colocated(
     assert a_text == b_text and a_finish == b_finish == "stop"
     assert a_text.endswith(("e", "a"))
     assert a_lps == pytest.approx(b_lps, abs=1e-5)
+
+
+@in_module_loop
+async def test_prompt_logprobs_are_the_same_split_and_colocated(dispatchers: dict[str, Dispatcher]) -> None:
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    got: dict[str, list[list[tuple[int, float]]]] = {}
+    for name in ("split", "colocated", "fallback"):
+        positions: list[list[tuple[int, float]]] = []
+        async for step in dispatchers[name].generate(f"plp-{name}", PROMPT, params):
+            positions += [[(c.token_id, c.logprob) for c in pos] for pos in step.prompt_logprobs]
+        got[name] = positions
+    assert len(got["split"]) == len(PROMPT) - 1
+    assert [pos[0][0] for pos in got["split"]] == PROMPT[1:]  # the prompt token first
+    for name in ("colocated", "fallback"):
+        assert [[t for t, _ in p] for p in got[name]] == [[t for t, _ in p] for p in got["split"]]
+        for a, b in zip(got[name], got["split"], strict=True):
+            assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-5)
