@@ -4,7 +4,7 @@
     gen = Generator(config, tokenizer, dispatcher, metrics)
     admission = gen.admit()                       # 429 / 503 before any work
     ids = await gen.tokenize(messages, "messages")
-    async for delta in gen.run(request_id, ids, params, n, stops): ...
+    async for delta in gen.run(request_id, [ids], RunOptions(params, n=2)): ...
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -22,11 +22,12 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_token
 from engine.output_processor import find_stop_string
-from engine.processor import Processor, child_request_id
+from engine.processor import Processor
 from engine.sampling_params import SamplingParams
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.errors import OpenAIError
+from services.router.fanout import RunOptions, keep_best, merged, plan
 from services.router.metrics import RouterMetrics
 from services.worker.client import PositionLogprobs
 
@@ -193,43 +194,27 @@ class Generator:
         except ValueError as e:
             raise OpenAIError(400, str(e), str(e).split(" ", 1)[0]) from e
 
-    async def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
-                  stops: list[str], include_stop: bool = False) -> AsyncGenerator[Delta, None]:
-        """The deltas of all `n` samples, interleaved as they come. A sample ends at the first of
-        `stops` in its text, which keeps that stop string when `include_stop` (vLLM's
-        include_stop_str_in_output)."""
-        if n == 1:
-            only = self._sample(request_id, 0, prompt_ids, params, stops, include_stop)
-            async with aclosing(only) as sample:
-                async for delta in sample:
+    async def run(self, request_id: str, prompts: Sequence[list[int]], opts: RunOptions
+                  ) -> AsyncGenerator[Delta, None]:
+        """The deltas of every sample of every prompt (fanout.py numbers them), interleaved as they
+        come; with best_of, once all have ended, only those of each prompt's n best. A sample ends
+        at the first of `opts.stops` in its text, which keeps that stop string when
+        `opts.include_stop` (vLLM's include_stop_str_in_output)."""
+        samples = [self._sample(s.request_id, s.index, prompts[s.prompt], s.params, opts)
+                   for s in plan(request_id, len(prompts), opts)]
+        async with aclosing(merged(samples)) as deltas:
+            if not opts.ranks:
+                async for delta in deltas:
                     yield delta
-            return
-        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for delta in self._sample(child_request_id(request_id, i), i, prompt_ids,
-                                                 params.for_child(i), stops, include_stop):
-                    queue.put_nowait(delta)
-                queue.put_nowait(None)
-            except Exception as e:
-                queue.put_nowait(e)
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
-        try:
-            for _ in range(n):
-                while (item := await queue.get()) is not None:
-                    if isinstance(item, BaseException):
-                        raise item
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+                return
+            every = [d async for d in deltas]
+        for delta in keep_best(every, opts, len(prompts)):
+            yield delta
 
     async def _sample(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                      stops: list[str], include_stop: bool) -> AsyncGenerator[Delta, None]:
+                      opts: RunOptions) -> AsyncGenerator[Delta, None]:
         detok = IncrementalDetokenizer(self.tokenizer)
+        stops, include_stop = list(opts.stops), opts.include_stop
         # Text that may be the start of a stop string waits (unless stop strings are kept anyway).
         hold_back = 0 if include_stop else max((len(s) for s in stops), default=1) - 1
         text, sent, num_tokens, token_chars = "", 0, 0, 0

@@ -85,7 +85,6 @@ _SAMPLING: dict[str, tuple[NoOp, str]] = {
     "cache_salt": (_absent, "isolates the request's prefix cache"),
     "kv_transfer_params": (_absent, "takes part in an external KV transfer"),
     "vllm_xargs": (_empty, "passes extra arguments to custom extensions"),
-    "best_of": (_one, "samples best_of and returns the n best"),
 }
 
 COMPLETION: dict[str, tuple[NoOp, str]] = {
@@ -96,6 +95,7 @@ COMPLETION: dict[str, tuple[NoOp, str]] = {
 
 CHAT: dict[str, tuple[NoOp, str]] = {
     **_SAMPLING,
+    "best_of": (_one, "samples best_of and returns the n best"),  # vLLM's chat has no best_of either
     "echo": (_false, "echoes the last message"),
     "tools": (_empty, "offers tools (tool calling)"),
     "tool_choice": (_no_tool_choice, "asks for a tool call"),

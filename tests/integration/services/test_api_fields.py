@@ -1,7 +1,7 @@
 """Request fields through the official `openai` client against the router over a colocated worker:
 every OpenAI / vLLM field the server does not implement yet is refused with a 400 whose `param`
 names it (never a silent 200); the same fields with their no-op values, `user` and unknown fields
-are accepted and change nothing; a batch of prompts gets a 400 saying so; vLLM's
+are accepted and change nothing; vLLM's
 `stream_options.continuous_usage_stats` puts the usage so far in every chunk; /tokenize gives the
 tokens generation prefills and /detokenize inverts it; /ping, /version, /v1/models/{id}."""
 
@@ -102,14 +102,6 @@ async def test_no_op_values_user_and_unknown_fields_are_accepted_and_change_noth
     text = (lambda r: r.choices[0].message.content) if chat else (lambda r: r.choices[0].text)
     assert text(out) == text(plain) and text(out)
     assert any("ignored unknown fields ['some_unknown_field']" in r.getMessage() for r in caplog.records)
-
-
-@in_module_loop
-@pytest.mark.parametrize("prompt", [["one", "two"], [[1, 2], [3, 4]]], ids=["strings", "token-lists"])
-async def test_a_batch_of_prompts_is_a_400_that_says_so(client: openai.AsyncOpenAI, prompt: Any) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
-    assert e.value.param == "prompt" and "batch of prompts" in e.value.message
 
 
 @in_module_loop

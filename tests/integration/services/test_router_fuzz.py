@@ -62,11 +62,19 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
         props["max_tokens"] = {"anyOf": [small, {"type": "null"}]}  # null: the completions default 16
         props["min_tokens"] = {"type": "integer", "minimum": 0, "maximum": 1}  # <= any max_tokens
     prompt = spec["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
-    ids = next(member for member in prompt["anyOf"] if member["type"] == "array")
-    ids["items"]["maximum"] = 255  # in every vocabulary (the app rejects ids past the model's)
+    for member in prompt["anyOf"]:
+        items = member.get("items", {})
+        ids = items.get("items", items)  # a batch's token-id lists, or one prompt's ids
+        if ids.get("type") == "integer":
+            ids["maximum"] = 255  # in every vocabulary (the app rejects ids past the model's)
+        if "maxItems" in member:
+            member["maxItems"] = MAX_N  # a small batch
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     chat["properties"]["max_completion_tokens"] = small  # else a chat runs to max_model_len
     chat["required"] = [*chat["required"], "max_completion_tokens"]
+    # Rules across fields the schema cannot say: best_of >= n (and no stream). The edge cases
+    # below try them.
+    spec["components"]["schemas"]["CompletionRequest"]["properties"]["best_of"] = {"type": "null"}
     # Fields not implemented yet: valid requests leave them out (any value is a 400 naming them).
     for name, table in (("CompletionRequest", unsupported.COMPLETION),
                         ("ChatCompletionRequest", unsupported.CHAT)):
@@ -190,7 +198,14 @@ EDGES = [
     ("/v1/completions", _body(prompt=[10**30]), "prompt"),
     ("/v1/completions", _body(prompt=[-1]), "prompt"),
     ("/v1/completions", _body(prompt=[]), "prompt"),
-    ("/v1/completions", _body(prompt=[[1, 2]]), "prompt"),
+    ("/v1/completions", _body(prompt=[[1, 2], []]), "prompt"),
+    ("/v1/completions", _body(prompt=["a", [1]]), "prompt"),
+    ("/v1/completions", _body(prompt=["a", ""]), "prompt"),
+    ("/v1/completions", _body(prompt=["a"] * 257), "prompt"),
+    ("/v1/completions", _body(prompt=[[1, 10**30]]), "prompt"),
+    ("/v1/completions", _body(n=2, best_of=1), "best_of"),
+    ("/v1/completions", _body(best_of=2, stream=True), "best_of"),
+    ("/v1/completions", _body(best_of=17), "best_of"),
     ("/v1/completions", _body(prompt="x " * 100_000), "prompt"),
     ("/v1/completions", _body(stop=["x"] * 10_000), "stop"),
     ("/v1/completions", _body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
@@ -206,6 +221,8 @@ EDGES = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}), "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                          "max_completion_tokens": 0}), "max_completion_tokens"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "best_of": 2}), "best_of"),
     ("/v1/completions", json.dumps([1, 2, 3]), None),
     ("/v1/completions", "null", None),
 ]
@@ -223,6 +240,9 @@ ACCEPTED = [
     _body(n=16, max_tokens=4, stream=True, stream_options={"include_usage": True}),
     _body(temperature=2.0, top_p=1e-300),
     _body(prompt="\x00\ud7ff\U0010ffff" * 50),
+    _body(prompt=[[1, 2], [3]], n=2, stream=True,
+          stream_options={"include_usage": True, "continuous_usage_stats": True}),
+    _body(prompt=["a", "b"], n=2, best_of=3, logprobs=2),
     json.dumps({"model": MODEL, "messages": [{"role": r, "content": None} for r in ("system", "developer",
                 "tool", "assistant")], "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 0}),
 ]
