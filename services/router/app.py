@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.sampling_params import SamplingParams
 from services.procs import instance_id
 from services.router.admin import admin_router
+from services.router.chat_options import echo_text, reply_role, template_options
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.edge import BodyLimit
@@ -152,11 +153,13 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         _check_model(config, body.model)
         log_ignored("chat.completions", body.model_extra)
         gen = state["gen"]
-        ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages")
+        template = template_options(body, body.messages, gen.tokenizer)
+        ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = gen.params(len(ids), body.token_limit, body.sampling_kwargs(), top)
         reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", (len(ids),), body.n, True,
-                      body.include_usage, body.continuous_usage)
+                      body.include_usage, body.continuous_usage, role=reply_role(body, body.messages),
+                      echo=echo_text(body, body.messages, body.echo))
         return await _run(reply, [ids], _options(body, params), body.stream)
 
     # Added before the API key check, so that check (outside it) still sees every request; the

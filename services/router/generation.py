@@ -3,7 +3,7 @@
 
     gen = Generator(config, tokenizer, dispatcher, metrics)
     admission = gen.admit()                       # 429 / 503 before any work
-    ids = await gen.tokenize(messages, "messages")
+    ids = await gen.tokenize(messages, "messages", template)
     async for delta in gen.run(request_id, [ids], RunOptions(params, n=2)): ...
 """
 
@@ -24,6 +24,7 @@ from engine.detokenizer import IncrementalDetokenizer, decode_token
 from engine.output_processor import find_stop_string
 from engine.processor import Processor
 from engine.sampling_params import SamplingParams
+from services.router.chat_options import TemplateOptions
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.errors import OpenAIError
@@ -31,7 +32,7 @@ from services.router.fanout import RunOptions, keep_best, merged, plan
 from services.router.metrics import RouterMetrics
 from services.worker.client import PositionLogprobs
 
-Prompt = str | list[int] | list[dict[str, Any]]
+Text = str | list[dict[str, Any]]  # a text prompt, or chat messages
 
 
 @dataclass
@@ -125,38 +126,39 @@ class Generator:
                                        f"requests; retry later", code="rate_limit_exceeded", headers=retry)
         return Admission(self)
 
-    async def tokenize(self, prompt: Prompt, param: str) -> list[int]:
-        """The prompt's token ids (chat template applied). Long prompts are tokenized in the pool;
-        any error on user text is a 400 naming `param`, never a 500."""
+    async def tokenize(self, prompt: Text, param: str, template: TemplateOptions | None = None
+                       ) -> list[int]:
+        """The prompt's token ids (chat template applied), checked. Long prompts are tokenized in
+        the pool; any error on user text is a 400 naming `param`, never a 500."""
         chars = _chars(prompt)
         if chars > self.max_prompt_chars:
             raise OpenAIError(400, f"{param}: {chars} characters cannot fit in max_model_len="
                                    f"{self.config.max_model_len} tokens", param)
+        template = template or TemplateOptions()
+        special = isinstance(prompt, str)  # a chat template writes its own special tokens
         try:
             if chars <= self.config.inline_chars:
-                return self.processor.preprocess(prompt)[1]
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._pooled, prompt)
+                ids = _encode(self.processor, prompt, template, special)
+            else:
+                ids = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._pooled, prompt, template, special)
         except ValueError as e:
             raise OpenAIError(400, str(e), param) from e
         except Exception as e:  # the tokenizer or template refused the text (a lone surrogate...)
             raise OpenAIError(400, f"{param}: cannot be tokenized: {type(e).__name__}: {e}"[:500],
                               param) from e
+        return self.check_token_ids(ids, param)
 
-    def _pooled(self, prompt: Prompt) -> list[int]:
-        return list(self._local.processor.preprocess(prompt)[1])
+    def _pooled(self, prompt: Text, template: TemplateOptions, add_special_tokens: bool) -> list[int]:
+        return _encode(self._local.processor, prompt, template, add_special_tokens)
 
-    async def encode(self, prompt: str | list[dict[str, Any]], param: str, add_special_tokens: bool,
-                     add_generation_prompt: bool = True) -> list[int]:
+    async def encode(self, prompt: Text, param: str, add_special_tokens: bool,
+                     template: TemplateOptions | None = None) -> list[int]:
         """/tokenize: the token ids of a text or of chat messages (their template applied), in the
         pool, with no length limit (the count is the answer). Errors on user text are 400s."""
-        def run() -> list[int]:
-            proc = self._local.processor
-            text = (prompt if isinstance(prompt, str)
-                    else proc.apply_chat_template(prompt, add_generation_prompt))
-            return list(proc.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._pooled, prompt, template or TemplateOptions(), add_special_tokens)
         except Exception as e:  # the tokenizer or template refused the text
             raise OpenAIError(400, f"{param}: cannot be tokenized: {type(e).__name__}: {e}"[:500],
                               param) from e
@@ -249,7 +251,13 @@ class Generator:
                     return  # leaving the loop early cancels the decode call
 
 
-def _chars(prompt: Prompt) -> int:
+def _encode(proc: Processor, prompt: Text, template: TemplateOptions, add_special_tokens: bool
+            ) -> list[int]:
+    text = prompt if isinstance(prompt, str) else proc.apply_chat_template(prompt, **template.as_kwargs())
+    return list(proc.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def _chars(prompt: Text) -> int:
     """Characters of a text prompt or of chat messages' contents (0 for token ids)."""
     if isinstance(prompt, str):
         return len(prompt)

@@ -231,12 +231,21 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_SamplingFields, _ChatRefused):
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat template options (checked against each other and the messages in chat_options.py)."""
+
+    add_generation_prompt: StrictBool = True  # end with the assistant's header
+    continue_final_message: StrictBool = False  # leave the last (assistant) message open: no end of turn
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+
+class ChatCompletionRequest(_SamplingFields, ChatTemplateFields, _ChatRefused):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
     parallel_tool_calls: StrictBool | None = None  # only means something with tools (refused for now)
+    echo: StrictBool = False  # vLLM's: the reply starts with the last message when it has the reply's role
 
     @property
     def token_limit(self) -> int | None:

@@ -42,6 +42,8 @@ class Reply:
     chat: bool
     include_usage: bool
     continuous_usage: bool = False  # every chunk carries usage so far (vLLM's continuous_usage_stats)
+    role: str = "assistant"  # of a chat reply's messages
+    echo: str = ""  # what every chat choice's content starts with (vLLM's echo)
 
     @property
     def num_choices(self) -> int:
@@ -98,17 +100,15 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
                 if delta.accepted:
                     delta = await anext(deltas, None)
                     continue
-                role_event = ""  # a sample's first chat event names the role; it leaves with the text
+                first_events = ""  # a sample's first chat events (role, echo) leave with its text
                 if reply.chat and delta.index not in started:
                     started.add(delta.index)
-                    role = {"index": delta.index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}
-                    role_event = _sse(reply.body([role], _so_far(reply, delta.index, 0), chunk=True))
+                    first_events = _chat_start(reply, delta.index)
                 if delta.finish_reason:
                     finals[delta.index] = delta
                 choice = _choice(reply, delta, stream=True)
                 usage = _so_far(reply, delta.index, delta.completion_tokens, delta.cached_tokens)
-                yield role_event + _sse(reply.body([choice], usage, chunk=True))
+                yield first_events + _sse(reply.body([choice], usage, chunk=True))
                 delta = await anext(deltas, None)
     except (WorkerError, NoWorkerError) as e:
         error = from_dispatch(e, reply.gen.config.retry_after_s)
@@ -116,6 +116,14 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
     if reply.include_usage:
         yield _sse(reply.body([], _usage(reply, finals.values()), chunk=True))
     yield "data: [DONE]\n\n"
+
+
+def _chat_start(reply: Reply, index: int) -> str:
+    """A chat choice's first events: its role, then what it echoes (vLLM's order)."""
+    usage = _so_far(reply, index, 0)
+    events = [{"role": reply.role, "content": ""}] + ([{"content": reply.echo}] if reply.echo else [])
+    return "".join(_sse(reply.body([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}],
+                                   usage, chunk=True)) for d in events)
 
 
 def _sse(body: dict[str, Any]) -> str:
@@ -162,7 +170,7 @@ def _choice(reply: Reply, delta: Delta, stream: bool) -> dict[str, Any]:
         return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
     key, content = ("delta", {"content": delta.text}) if stream else (
-        "message", {"role": "assistant", "content": delta.text})
+        "message", {"role": reply.role, "content": reply.echo + delta.text})
     return {"index": delta.index, key: content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 

@@ -96,15 +96,11 @@ COMPLETION: dict[str, tuple[NoOp, str]] = {
 CHAT: dict[str, tuple[NoOp, str]] = {
     **_SAMPLING,
     "best_of": (_one, "samples best_of and returns the n best"),  # vLLM's chat has no best_of either
-    "echo": (_false, "echoes the last message"),
     "tools": (_empty, "offers tools (tool calling)"),
     "tool_choice": (_no_tool_choice, "asks for a tool call"),
     "functions": (_empty, "offers functions (function calling)"),
     "function_call": (_no_tool_choice, "asks for a function call"),
-    "add_generation_prompt": (_true, "leaves out the assistant prompt when false"),
-    "continue_final_message": (_false, "continues the last assistant message"),
     "chat_template": (_absent, "replaces the model's chat template"),
-    "chat_template_kwargs": (_empty, "passes arguments to the chat template"),
     "documents": (_empty, "passes documents to the chat template"),
     "mm_processor_kwargs": (_empty, "passes arguments to a multimodal processor"),
     "modalities": (_text_modality, "asks for audio output"),

@@ -4,15 +4,20 @@ against the router over a colocated worker, each checked against an independent 
 - a batch of prompts (texts or token-id lists): choice k * n + i is sample i of prompt k, the
   same text as prompt k sent alone with the same seed, streamed or not; usage sums the prompts;
 - best_of: the n of best_of samples with the highest cumulative logprob, as the same seeded
-  samples fetched one by one with their logprobs rank them.
+  samples fetched one by one with their logprobs rank them;
+- chat's add_generation_prompt, continue_final_message and chat_template_kwargs: the prompt is
+  transformers' apply_chat_template of the messages with the same arguments; echo and the reply's
+  role as vLLM's.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -25,12 +30,34 @@ in_module_loop = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny"
 TEXTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 IDS = [[28, 5, 900], [1, 2, 3, 4, 5], [7000, 12]]
+CHAT: list[Any] = [{"role": "user", "content": "Name a colour."}]
+PREFILLED: list[Any] = [*CHAT, {"role": "assistant", "content": "The colour is"}]
+# A template variable the default template lacks (Qwen3's, for one): the router's tokenizer has it.
+THINKING = "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}" \
+           "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
 
 
 @pytest.fixture(scope="module")
-def router(colocated_worker: WorkerServer, model_dir: Path) -> Iterator[ServedRouter]:
+def tokenizer_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model's tokenizer, its chat template taking `enable_thinking` (the worker never reads it)."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    shutil.copytree(model_dir, folder, dirs_exist_ok=True)
+    template = folder / "chat_template.jinja"
+    template.write_text(template.read_text() + THINKING)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def router(colocated_worker: WorkerServer, tokenizer_dir: Path) -> Iterator[ServedRouter]:
     dispatch = DispatchOptions(decode=(colocated_worker.target,), decode_timeout_s=60)
-    with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
+    with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(tokenizer_dir), max_model_len=512,
                                    dispatch=dispatch)) as served:
         yield served
 
@@ -90,3 +117,73 @@ async def test_best_of_returns_the_n_samples_with_the_highest_cumulative_logprob
         with pytest.raises(openai.BadRequestError) as e:
             await client.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=2, **kw)
         assert e.value.param == "best_of"
+
+
+def _template_ids(tokenizer: Any, messages: list[Any], **kw: Any) -> list[int]:
+    """transformers' prompt: the template's text, tokenized as a chat request's."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+CHAT_CASES = [
+    (CHAT, {"add_generation_prompt": False}),
+    (PREFILLED, {"add_generation_prompt": False, "continue_final_message": True}),
+    (CHAT, {"chat_template_kwargs": {"enable_thinking": False}}),
+]
+
+
+@in_module_loop
+@pytest.mark.parametrize(("messages", "fields"), CHAT_CASES, ids=["no-generation-prompt", "continue",
+                                                                  "template-kwargs"])
+async def test_chat_template_fields_give_transformers_prompt(
+        client: openai.AsyncOpenAI, router: ServedRouter, tokenizer: Any, messages: list[Any],
+        fields: dict[str, Any]) -> None:
+    kwargs = {"add_generation_prompt": True, **fields, **fields.get("chat_template_kwargs", {})}
+    kwargs.pop("chat_template_kwargs", None)
+    want = _template_ids(tokenizer, messages, **kwargs)
+    assert want != _template_ids(tokenizer, messages, add_generation_prompt=True)
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+        got = (await http.post("/tokenize", json={"messages": messages, **fields})).json()
+    assert got["tokens"] == want
+    out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
+                                               extra_body=fields)
+    assert out.usage is not None and out.usage.prompt_tokens == len(want)
+    # vLLM's reply role: the assistant's after a generation prompt, else the last message's.
+    generation_prompt = fields.get("add_generation_prompt", True)
+    assert out.choices[0].message.role == ("assistant" if generation_prompt else messages[-1]["role"])
+
+
+@in_module_loop
+@pytest.mark.parametrize(("messages", "fields", "param"), [
+    (PREFILLED, {"continue_final_message": True}, "continue_final_message"),  # a generation prompt too
+    (CHAT, {"continue_final_message": True, "add_generation_prompt": False}, "continue_final_message"),
+    (CHAT, {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    (CHAT, {"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    (CHAT, {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+])
+async def test_chat_template_fields_that_cannot_be_honoured_are_400s(
+        client: openai.AsyncOpenAI, messages: list[Any], fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, extra_body=fields)
+    assert e.value.param == param
+
+
+@in_module_loop
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_chat_echo_starts_the_reply_with_the_message_it_continues(client: openai.AsyncOpenAI,
+                                                                         stream: bool) -> None:
+    async def content(messages: list[Any], **fields: Any) -> tuple[str, str]:
+        args: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 4, "temperature": 0,
+                                "extra_body": {"ignore_eos": True, **fields}}
+        if not stream:
+            message = (await client.chat.completions.create(**args)).choices[0].message
+            return message.role, message.content or ""
+        chunks = [c.choices[0].delta async for c in await client.chat.completions.create(**args, stream=True)]
+        return chunks[0].role or "", "".join(d.content or "" for d in chunks)
+
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    role, plain = await content(PREFILLED, **cont)
+    assert await content(PREFILLED, echo=True, **cont) == (role, "The colour is" + plain)
+    assert role == "assistant"
+    # After a generation prompt the reply is the assistant's: a user message is not echoed.
+    assert await content(CHAT, echo=True) == await content(CHAT)

@@ -72,9 +72,14 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     chat["properties"]["max_completion_tokens"] = small  # else a chat runs to max_model_len
     chat["required"] = [*chat["required"], "max_completion_tokens"]
-    # Rules across fields the schema cannot say: best_of >= n (and no stream). The edge cases
-    # below try them.
+    # Rules across fields the schema cannot say: best_of >= n (and no stream), a final message
+    # continued only without a generation prompt, and no template variable the request's fields
+    # set. The edge cases below try them.
     spec["components"]["schemas"]["CompletionRequest"]["properties"]["best_of"] = {"type": "null"}
+    chat["properties"]["continue_final_message"] = {"enum": [False]}
+    chat["properties"]["chat_template_kwargs"] = {"anyOf": [{"type": "null"}, {
+        "type": "object", "properties": {"enable_thinking": {"type": "boolean"}, "x": {}},
+        "additionalProperties": False}]}
     # Fields not implemented yet: valid requests leave them out (any value is a 400 naming them).
     for name, table in (("CompletionRequest", unsupported.COMPLETION),
                         ("ChatCompletionRequest", unsupported.CHAT)):
@@ -221,6 +226,16 @@ EDGES = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}), "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                          "max_completion_tokens": 0}), "max_completion_tokens"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "assistant", "content": "a"}],
+                                         "continue_final_message": True}), "continue_final_message"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "continue_final_message": True, "add_generation_prompt": False}),
+     "continue_final_message"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "chat_template_kwargs": {"tokenize": True}}),
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "chat_template_kwargs": "x"}), "chat_template_kwargs"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                          "best_of": 2}), "best_of"),
     ("/v1/completions", json.dumps([1, 2, 3]), None),
@@ -243,6 +258,10 @@ ACCEPTED = [
     _body(prompt=[[1, 2], [3]], n=2, stream=True,
           stream_options={"include_usage": True, "continuous_usage_stats": True}),
     _body(prompt=["a", "b"], n=2, best_of=3, logprobs=2),
+    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "a"}],
+                "add_generation_prompt": False, "continue_final_message": True, "echo": True, "stream": True,
+                "chat_template_kwargs": {"x": [1, {"y": None}]}, "max_completion_tokens": 2}),
     json.dumps({"model": MODEL, "messages": [{"role": r, "content": None} for r in ("system", "developer",
                 "tool", "assistant")], "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 0}),
 ]
