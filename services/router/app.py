@@ -140,8 +140,9 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         log_ignored("completions", body.model_extra)
         gen = state["gen"]
         max_tokens = body.max_tokens if body.max_tokens is not None else 16
-        prompts = [gen.check_token_ids(p, "prompt") if isinstance(p, list)
-                   else await gen.tokenize(p, "prompt") for p in body.prompts]
+        keep = gen.truncation(body.truncate_prompt_tokens, max_tokens)
+        prompts = [gen.check_token_ids(p, "prompt", keep) if isinstance(p, list)
+                   else await gen.tokenize(p, "prompt", truncate=keep) for p in body.prompts]
         lens = tuple(len(ids) for ids in prompts)
         params = gen.params(max(lens), max_tokens, body.sampling_kwargs(), body.logprobs)
         reply = Reply(gen, body.model, f"cmpl-{uuid.uuid4().hex}", lens, body.n, False,
@@ -154,7 +155,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         log_ignored("chat.completions", body.model_extra)
         gen = state["gen"]
         template = template_options(body, body.messages, gen.tokenizer)
-        ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template)
+        keep = gen.truncation(body.truncate_prompt_tokens, body.token_limit)
+        ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template, keep)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = gen.params(len(ids), body.token_limit, body.sampling_kwargs(), top)
         reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", (len(ids),), body.n, True,
@@ -174,7 +176,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
 def _options(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
              best_of: int | None = None) -> RunOptions:
-    return RunOptions(params, body.n, best_of, tuple(body.stop_strings), body.include_stop_str_in_output)
+    return RunOptions(params, body.n, best_of, tuple(body.stop_strings), body.include_stop_str_in_output,
+                      body.skip_special_tokens, body.spaces_between_special_tokens)
 
 
 async def _run(reply: Reply, prompts: list[list[int]], opts: RunOptions, stream: bool

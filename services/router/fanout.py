@@ -32,6 +32,8 @@ class RunOptions:
     best_of: int | None = None  # samples per prompt to keep the n best of (None: n)
     stops: tuple[str, ...] = ()
     include_stop: bool = False  # vLLM's include_stop_str_in_output
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def per_prompt(self) -> int:

@@ -3,7 +3,7 @@
 
     gen = Generator(config, tokenizer, dispatcher, metrics)
     admission = gen.admit()                       # 429 / 503 before any work
-    ids = await gen.tokenize(messages, "messages", template)
+    ids = await gen.tokenize(messages, "messages", template, truncate=None)
     async for delta in gen.run(request_id, [ids], RunOptions(params, n=2)): ...
 """
 
@@ -126,12 +126,13 @@ class Generator:
                                        f"requests; retry later", code="rate_limit_exceeded", headers=retry)
         return Admission(self)
 
-    async def tokenize(self, prompt: Text, param: str, template: TemplateOptions | None = None
-                       ) -> list[int]:
-        """The prompt's token ids (chat template applied), checked. Long prompts are tokenized in
-        the pool; any error on user text is a 400 naming `param`, never a 500."""
+    async def tokenize(self, prompt: Text, param: str, template: TemplateOptions | None = None,
+                       truncate: int | None = None) -> list[int]:
+        """The prompt's token ids (chat template applied), only its last `truncate` kept, checked.
+        Long prompts are tokenized in the pool; any error on user text is a 400 naming `param`,
+        never a 500. A prompt to truncate may be longer than max_model_len."""
         chars = _chars(prompt)
-        if chars > self.max_prompt_chars:
+        if truncate is None and chars > self.max_prompt_chars:
             raise OpenAIError(400, f"{param}: {chars} characters cannot fit in max_model_len="
                                    f"{self.config.max_model_len} tokens", param)
         template = template or TemplateOptions()
@@ -147,7 +148,7 @@ class Generator:
         except Exception as e:  # the tokenizer or template refused the text (a lone surrogate...)
             raise OpenAIError(400, f"{param}: cannot be tokenized: {type(e).__name__}: {e}"[:500],
                               param) from e
-        return self.check_token_ids(ids, param)
+        return self.check_token_ids(ids, param, truncate)
 
     def _pooled(self, prompt: Text, template: TemplateOptions, add_special_tokens: bool) -> list[int]:
         return _encode(self._local.processor, prompt, template, add_special_tokens)
@@ -176,12 +177,28 @@ class Generator:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
-        """A token-id prompt whose items pydantic already checked are ints: length and range only."""
+    def check_token_ids(self, token_ids: list[int], param: str, truncate: int | None = None) -> list[int]:
+        """A token-id prompt whose items pydantic already checked are ints, its last `truncate`
+        kept: length and range only."""
+        if truncate is not None:
+            token_ids = token_ids[-truncate:]  # left truncation, as vLLM's
         try:
             return self.processor.check_token_ids(token_ids)
         except ValueError as e:
             raise OpenAIError(400, str(e), param) from e
+
+    def truncation(self, keep: int | None, max_tokens: int | None) -> int | None:
+        """truncate_prompt_tokens as the number of prompt tokens to keep (vLLM's): at most what fits
+        beside max_tokens (at least one output token), -1 for exactly that; more is a 400."""
+        if keep is None:
+            return None
+        room = self.processor.max_model_len - max(max_tokens or 0, 1)
+        if keep > room or room < 1:
+            raise OpenAIError(400, f"truncate_prompt_tokens={keep} leaves no room for the output: at "
+                                   f"most max_model_len={self.processor.max_model_len} minus max_tokens "
+                                   f"({max(max_tokens or 0, 1)}) = {room} prompt tokens fit",
+                              "truncate_prompt_tokens")
+        return room if keep == -1 else keep
 
     def params(self, prompt_len: int, max_tokens: int | None, fields: dict[str, Any],
                logprobs: int | None) -> SamplingParams:
@@ -215,7 +232,8 @@ class Generator:
 
     async def _sample(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
                       opts: RunOptions) -> AsyncGenerator[Delta, None]:
-        detok = IncrementalDetokenizer(self.tokenizer)
+        detok = IncrementalDetokenizer(self.tokenizer, opts.skip_special_tokens,
+                                       opts.spaces_between_special_tokens)
         stops, include_stop = list(opts.stops), opts.include_stop
         # Text that may be the start of a stop string waits (unless stop strings are kept anyway).
         hold_back = 0 if include_stop else max((len(s) for s in stops), default=1) - 1

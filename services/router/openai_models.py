@@ -88,6 +88,12 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX),
                                              BeforeValidator(_json_integer)]],
                               Field(max_length=MAX_STOP_STRINGS)] | None = None
+    # vLLM's detokenization options, applied where the router turns token ids into text.
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True  # the tokenizer's: the `tokenizers` backend ignores it
+    # vLLM's: keep the prompt's last k tokens (-1: as many as fit with the output tokens asked for).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX),
+                                      BeforeValidator(_json_integer)] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The engine SamplingParams fields this request sets (max_tokens and logprobs aside)."""
@@ -103,6 +109,13 @@ class _SamplingFields(BaseModel):
         n = info.data.get("n", 1)
         if v is not None and v + n - 1 > INT64_MAX:  # sample i uses seed + i
             raise ValueError(f"seed + n - 1 must be at most {INT64_MAX} (sample i runs with seed + i)")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be at least 1, or -1 (as many as fit), got 0")
         return v
 
     @property

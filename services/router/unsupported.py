@@ -36,10 +36,6 @@ def _false(v: Any) -> bool:
     return v is None or v is False
 
 
-def _true(v: Any) -> bool:
-    return v is None or v is True
-
-
 def _zero(v: Any) -> bool:
     return v is None or (type(v) in (int, float) and v == 0)
 
@@ -66,10 +62,7 @@ _SAMPLING: dict[str, tuple[NoOp, str]] = {
     "allowed_token_ids": (_empty, "restricts sampling to the given token ids"),
     "bad_words": (_empty, "bans words"),
     "prompt_logprobs": (_absent, "returns the prompt's logprobs"),
-    "skip_special_tokens": (_true, "keeps special tokens in the text when false"),
-    "spaces_between_special_tokens": (_true, "joins special tokens without spaces when false"),
     "priority": (_zero, "sets the request's scheduling priority"),
-    "truncate_prompt_tokens": (_absent, "truncates the prompt"),
     "use_beam_search": (_false, "runs beam search"),
     "length_penalty": (_one, "weighs beam-search lengths"),
     "logits_processors": (_empty, "runs custom logits processors"),

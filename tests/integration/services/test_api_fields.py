@@ -30,8 +30,7 @@ MESSAGES: list[Any] = [{"role": "user", "content": "Name a colour."}]
 # A value of each refused field that asks for something (its no-op value is accepted, below).
 USED: dict[str, Any] = {
     "logit_bias": {"5": -100}, "allowed_token_ids": [5, 6], "bad_words": ["the"], "prompt_logprobs": 1,
-    "skip_special_tokens": False,
-    "spaces_between_special_tokens": False, "priority": 3, "truncate_prompt_tokens": 4,
+    "priority": 3,
     "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["my.module:proc"],
     "return_tokens_as_token_ids": True, "structured_outputs": {"regex": "[a-z]+"},
     "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],

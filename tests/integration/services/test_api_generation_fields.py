@@ -7,13 +7,15 @@ against the router over a colocated worker, each checked against an independent 
   samples fetched one by one with their logprobs rank them;
 - chat's add_generation_prompt, continue_final_message and chat_template_kwargs: the prompt is
   transformers' apply_chat_template of the messages with the same arguments; echo and the reply's
-  role as vLLM's.
+  role as vLLM's;
+- skip_special_tokens: the text is the tokenizer's decode of transformers' greedy tokens;
+- truncate_prompt_tokens: the same output and usage as the prompt's last k tokens sent as they are.
 """
 
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +189,46 @@ async def test_chat_echo_starts_the_reply_with_the_message_it_continues(client: 
     assert role == "assistant"
     # After a generation prompt the reply is the assistant's: a user message is not echoed.
     assert await content(CHAT, echo=True) == await content(CHAT)
+
+
+@in_module_loop
+async def test_skip_special_tokens_both_ways_give_the_tokenizers_decode(
+        client: openai.AsyncOpenAI, model_dir: Path, tokenizer: Any,
+        hf_greedy: Callable[[Path, list[list[int]], int], list[list[int]]]) -> None:
+    # Tied embeddings make the tiny model repeat tokens: some of these continue with special ones.
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    candidates = [[28, s] for s in range(3, 17)]
+    continuations = hf_greedy(model_dir, candidates, 5)
+    found = [(p, ids) for p, ids in zip(candidates, continuations, strict=True) if special & set(ids)]
+    assert found, f"no greedy continuation holds a special token: {continuations}"
+    prompt, ids = found[0]
+    for skip in (True, False):
+        for stream in (False, True):
+            texts, _ = await _complete(client, prompt, stream, temperature=0,
+                                       extra_body={"skip_special_tokens": skip,
+                                                   "spaces_between_special_tokens": skip})
+            assert texts[0] == tokenizer.decode(ids, skip_special_tokens=skip), (skip, stream)
+
+
+@in_module_loop
+async def test_truncate_prompt_tokens_keeps_the_last_tokens(client: openai.AsyncOpenAI,
+                                                            router: ServedRouter) -> None:
+    async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
+        text_ids = (await http.post("/tokenize", json={"prompt": TEXTS[0]})).json()["tokens"]
+        chat_ids = (await http.post("/tokenize", json={"messages": CHAT})).json()["tokens"]
+    greedy = {"temperature": 0}
+    for prompt, ids in ((TEXTS[0], text_ids), (IDS[1], IDS[1]), ([9] * 600, [9] * 3)):  # 600 > 512
+        texts, usage = await _complete(client, prompt, extra_body={"truncate_prompt_tokens": 3}, **greedy)
+        assert (texts, usage.prompt_tokens) == ((await _complete(client, ids[-3:], **greedy))[0], 3)
+    whole, usage = await _complete(client, TEXTS[0], extra_body={"truncate_prompt_tokens": -1}, **greedy)
+    assert usage.prompt_tokens == len(text_ids) and whole == (await _complete(client, TEXTS[0], **greedy))[0]
+
+    chat = await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0,
+                                                extra_body={"ignore_eos": True, "truncate_prompt_tokens": 4})
+    assert chat.usage is not None and chat.usage.prompt_tokens == 4
+    assert chat.choices[0].message.content == (await _complete(client, chat_ids[-4:], **greedy))[0][0]
+    for keep in (0, 512 - 16 + 1):  # max_tokens is 16 by default: at most 496 prompt tokens fit
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.completions.create(model=MODEL, prompt=TEXTS[0],
+                                            extra_body={"truncate_prompt_tokens": keep})
+        assert e.value.param == "truncate_prompt_tokens"

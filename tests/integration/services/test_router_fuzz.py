@@ -73,9 +73,12 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
     chat["properties"]["max_completion_tokens"] = small  # else a chat runs to max_model_len
     chat["required"] = [*chat["required"], "max_completion_tokens"]
     # Rules across fields the schema cannot say: best_of >= n (and no stream), a final message
-    # continued only without a generation prompt, and no template variable the request's fields
-    # set. The edge cases below try them.
+    # continued only without a generation prompt, no template variable the request's fields set,
+    # and a truncation that leaves room for the output. The edge cases below try them.
     spec["components"]["schemas"]["CompletionRequest"]["properties"]["best_of"] = {"type": "null"}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        spec["components"]["schemas"][name]["properties"]["truncate_prompt_tokens"] = {"anyOf": [
+            {"type": "integer", "minimum": 1, "maximum": 64}, {"enum": [-1]}, {"type": "null"}]}
     chat["properties"]["continue_final_message"] = {"enum": [False]}
     chat["properties"]["chat_template_kwargs"] = {"anyOf": [{"type": "null"}, {
         "type": "object", "properties": {"enable_thinking": {"type": "boolean"}, "x": {}},
@@ -211,6 +214,10 @@ EDGES = [
     ("/v1/completions", _body(n=2, best_of=1), "best_of"),
     ("/v1/completions", _body(best_of=2, stream=True), "best_of"),
     ("/v1/completions", _body(best_of=17), "best_of"),
+    ("/v1/completions", _body(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    ("/v1/completions", _body(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    ("/v1/completions", _body(truncate_prompt_tokens=10**6), "truncate_prompt_tokens"),
+    ("/v1/completions", _body(skip_special_tokens="no"), "skip_special_tokens"),
     ("/v1/completions", _body(prompt="x " * 100_000), "prompt"),
     ("/v1/completions", _body(stop=["x"] * 10_000), "stop"),
     ("/v1/completions", _body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
@@ -258,10 +265,13 @@ ACCEPTED = [
     _body(prompt=[[1, 2], [3]], n=2, stream=True,
           stream_options={"include_usage": True, "continuous_usage_stats": True}),
     _body(prompt=["a", "b"], n=2, best_of=3, logprobs=2),
+    _body(prompt=[5] * 600, truncate_prompt_tokens=-1, skip_special_tokens=False,
+          spaces_between_special_tokens=False),
     json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"},
                                              {"role": "assistant", "content": "a"}],
                 "add_generation_prompt": False, "continue_final_message": True, "echo": True, "stream": True,
-                "chat_template_kwargs": {"x": [1, {"y": None}]}, "max_completion_tokens": 2}),
+                "truncate_prompt_tokens": 3, "chat_template_kwargs": {"x": [1, {"y": None}]},
+                "max_completion_tokens": 2}),
     json.dumps({"model": MODEL, "messages": [{"role": r, "content": None} for r in ("system", "developer",
                 "tool", "assistant")], "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 0}),
 ]

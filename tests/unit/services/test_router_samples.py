@@ -1,5 +1,7 @@
-"""The router's samples over a scripted dispatcher (no workers): best_of keeps the samples with the
-highest cumulative logprob; a batch numbers choices k * n + i."""
+"""The router's samples over a scripted dispatcher (no workers): their text is the tokenizer's own
+decode of their token ids for both skip_special_tokens and spaces_between_special_tokens, in
+whatever steps they stream; best_of keeps the samples with the highest cumulative logprob; a
+batch numbers choices k * n + i."""
 
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from services.router.fanout import RunOptions, cumulative_logprob, keep_best, pl
 from services.router.generation import Delta, Generator
 from services.router.metrics import RouterMetrics
 from services.worker.client import Logprob
+
+TEXT = "Hello <|im_start|>user\nthere<file_sep>x <|endoftext|> y<|im_end|>"
 
 
 class ScriptedDispatcher:
@@ -56,6 +60,22 @@ async def _texts(gen: Generator, prompts: list[list[int]], opts: RunOptions) -> 
     async for delta in gen.run("r", prompts, opts):
         texts[delta.index] = texts.get(delta.index, "") + delta.text
     return texts
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("skip", [True, False], ids=["skip", "keep"])
+@pytest.mark.parametrize("spaces", [True, False], ids=["spaces", "no-spaces"])
+async def test_sample_text_is_the_tokenizers_decode_for_both_special_token_settings(
+        generator: Generator, tokenizer: Any, chunk: int, skip: bool, spaces: bool) -> None:
+    ids = tokenizer(TEXT).input_ids
+    assert set(ids) & set(tokenizer.all_special_ids) and 5 in ids  # <file_sep>: an added special token
+    generator.dispatcher = ScriptedDispatcher(ids, chunk)  # type: ignore[assignment]
+    opts = RunOptions(SamplingParams(max_tokens=64), skip_special_tokens=skip,
+                      spaces_between_special_tokens=spaces)
+    text = (await _texts(generator, [[1, 2, 3]], opts))[0]
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+    assert ("<|im_start|>" in text) is not skip
 
 
 @pytest.mark.asyncio
