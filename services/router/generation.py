@@ -250,7 +250,11 @@ class Generator:
                     last = now
                 num_tokens += len(step.token_ids)
                 checked = len(text)
-                text += detok.update(step.token_ids, finished=bool(step.finish_reason))
+                # A worker's "stop" is a stop token (EOS or a stop_token_id; the router applies stop
+                # strings): like vLLM, its text is left out unless stop strings are kept.
+                stop_token = step.finish_reason == "stop" and not include_stop
+                text += detok.update(step.token_ids[:-1] if stop_token else step.token_ids,
+                                     finished=bool(step.finish_reason))
                 finish = step.finish_reason or None
                 match = find_stop_string(text, checked, stops, include_stop_str=include_stop)
                 if match is not None:

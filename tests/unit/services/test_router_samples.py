@@ -1,7 +1,7 @@
 """The router's samples over a scripted dispatcher (no workers): their text is the tokenizer's own
 decode of their token ids for both skip_special_tokens and spaces_between_special_tokens, in
-whatever steps they stream; best_of keeps the samples with the highest cumulative logprob; a
-batch numbers choices k * n + i."""
+whatever steps they stream; the token that stopped a sample stays out of its text, as in vLLM;
+best_of keeps the samples with the highest cumulative logprob; a batch numbers choices k * n + i."""
 
 from __future__ import annotations
 
@@ -76,6 +76,17 @@ async def test_sample_text_is_the_tokenizers_decode_for_both_special_token_setti
     text = (await _texts(generator, [[1, 2, 3]], opts))[0]
     assert text == tokenizer.decode(ids, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
     assert ("<|im_start|>" in text) is not skip
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("include_stop", [False, True])
+async def test_the_stop_token_is_left_out_of_the_text_unless_stop_strings_are_kept(
+        generator: Generator, tokenizer: Any, include_stop: bool) -> None:
+    ids = [*tokenizer("The end").input_ids, tokenizer.eos_token_id]  # the worker stopped on EOS
+    generator.dispatcher = ScriptedDispatcher(ids, 1, finish="stop")  # type: ignore[assignment]
+    opts = RunOptions(SamplingParams(max_tokens=64), include_stop=include_stop, skip_special_tokens=False)
+    text = (await _texts(generator, [[1]], opts))[0]
+    assert text == tokenizer.decode(ids if include_stop else ids[:-1], skip_special_tokens=False)
 
 
 @pytest.mark.asyncio
