@@ -8,7 +8,9 @@ window's text ends in U+FFFD (a multi-byte UTF-8 character split over tokens) no
 emitted; the bytes are completed by later tokens, or flushed when the request finishes.
 
 Invariant: the concatenation of everything `update` returned, once the request finished,
-equals `tokenizer.decode(token_ids, skip_special_tokens=...)`: always for byte-level BPE
+equals `tokenizer.decode(token_ids, skip_special_tokens=..., spaces_between_special_tokens=...)`
+(what the last one does is the tokenizer's: transformers' backends ignore it, as vLLM's fast
+detokenizer does): always for byte-level BPE
 tokenizers (GPT-2 style: SmolLM2, Llama 3, Qwen2), and for byte-fallback (SentencePiece)
 tokenizers whenever the output is valid UTF-8 (a one-shot decode turns a whole invalid run of
 byte tokens into U+FFFD, which no incremental decoder can know in advance). The context window
@@ -25,9 +27,11 @@ _REPLACEMENT_CHAR = "\ufffd"
 class IncrementalDetokenizer:
     """Turns a stream of output token ids into a stream of text pieces."""
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
         self.token_ids: list[int] = []
         self.output_text = ""  # everything emitted so far
         self._prefix_offset = 0  # first token of the decoding context
@@ -64,7 +68,8 @@ class IncrementalDetokenizer:
         if start >= end:
             return ""
         text: str = self.tokenizer.decode(
-            self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens
+            self.token_ids[start:end], skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
         return text
 

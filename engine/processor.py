@@ -8,6 +8,7 @@ are taken as they are. `n > 1` fans out into `n` core requests `"{i}_{request_id
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -123,15 +124,20 @@ class Processor:
             return None, list(prompt)  # type: ignore[arg-type]
         raise ValueError("prompt must be a string, a list of token ids or a list of chat messages")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The chat prompt text, ending with the assistant's generation prompt (unless asked not to)."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The chat prompt text, ending with the assistant's generation prompt (unless asked not
+        to), or with the last message left open (`continue_final_message`, as transformers').
+        `template_kwargs` are more variables for the template."""
         for m in messages:
             if "role" not in m or "content" not in m:
                 raise ValueError("chat messages must have 'role' and 'content'")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template; pass a text prompt instead")
         text: str = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False, **(template_kwargs or {}))
         return text
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:

@@ -4,11 +4,11 @@
     app = create_app(RouterConfig(model="m", tokenizer="/models/m", max_model_len=4096,
                                   dispatch=DispatchOptions(prefill=(...), decode=(...))))
 
-Each request is validated, tokenized once (chat template included; generation.py), fanned out
-into `n` samples, each dispatched prefill -> decode (dispatch.py); the router detokenizes
-incrementally and applies stop strings, cancelling the decode call on a match; render.py writes
-the responses. The edge (edge.py) limits body sizes and read times; serve it with
-`services.router.edge.serve`.
+Each request is validated, each of its prompts tokenized once (chat template included;
+generation.py) and fanned out into `n` (or `best_of`) samples (fanout.py), each dispatched
+prefill -> decode (dispatch.py); the router detokenizes incrementally and applies stop strings,
+cancelling the decode call on a match; render.py writes the responses. The edge (edge.py) limits
+body sizes and read times; serve it with `services.router.edge.serve`.
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.sampling_params import SamplingParams
 from services.procs import instance_id
 from services.router.admin import admin_router
+from services.router.chat_options import echo_text, reply_role, template_options
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.edge import BodyLimit
 from services.router.errors import OpenAIError
+from services.router.fanout import RunOptions
 from services.router.generation import Generator
 from services.router.hot_path import HotPath
 from services.router.metrics import RouterMetrics
@@ -136,27 +139,30 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         _check_model(config, body.model)
         log_ignored("completions", body.model_extra)
         gen = state["gen"]
-        ids = (gen.check_token_ids(body.prompt, "prompt") if isinstance(body.prompt, list)
-               else await gen.tokenize(body.prompt, "prompt"))
-        params = gen.params(len(ids), body.max_tokens if body.max_tokens is not None else 16,
-                            body.sampling_kwargs(), body.logprobs)
-        reply = Reply(gen, body.model, f"cmpl-{uuid.uuid4().hex}", len(ids), body.n, False,
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16
+        keep = gen.truncation(body.truncate_prompt_tokens, max_tokens)
+        prompts = [gen.check_token_ids(p, "prompt", keep) if isinstance(p, list)
+                   else await gen.tokenize(p, "prompt", truncate=keep) for p in body.prompts]
+        lens = tuple(len(ids) for ids in prompts)
+        params = gen.params(max(lens), max_tokens, body.sampling_kwargs(), body.logprobs)
+        reply = Reply(gen, body.model, f"cmpl-{uuid.uuid4().hex}", lens, body.n, False,
                       body.include_usage, body.continuous_usage)
-        return await _run(reply, ids, params, body.stop_strings, body.stream, body.include_stop_str_in_output,
-                          body.priority)
+        return await _run(reply, prompts, _options(body, params, body.best_of), body.stream)
 
     @app.post("/v1/chat/completions", response_model=None, responses=OPENAI_RESPONSES)
     async def chat(body: ChatCompletionRequest) -> JSONResponse | StreamingResponse:
         _check_model(config, body.model)
         log_ignored("chat.completions", body.model_extra)
         gen = state["gen"]
-        ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages")
+        template = template_options(body, body.messages, gen.tokenizer)
+        keep = gen.truncation(body.truncate_prompt_tokens, body.token_limit)
+        ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template, keep)
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = gen.params(len(ids), body.token_limit, body.sampling_kwargs(), top)
-        reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", len(ids), body.n, True,
-                      body.include_usage, body.continuous_usage)
-        return await _run(reply, ids, params, body.stop_strings, body.stream, body.include_stop_str_in_output,
-                          body.priority)
+        reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", (len(ids),), body.n, True,
+                      body.include_usage, body.continuous_usage, role=reply_role(body, body.messages),
+                      echo=echo_text(body, body.messages, body.echo))
+        return await _run(reply, [ids], _options(body, params), body.stream)
 
     # Added before the API key check, so that check (outside it) still sees every request; the
     # body limit outermost, so no handler ever reads more than max_body_bytes.
@@ -168,12 +174,18 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     return app
 
 
-async def _run(reply: Reply, ids: list[int], params: Any, stops: list[str], stream: bool, include_stop: bool,
-               priority: int) -> JSONResponse | StreamingResponse:
+def _options(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
+             best_of: int | None = None) -> RunOptions:
+    return RunOptions(params, body.n, best_of, tuple(body.stop_strings), body.include_stop_str_in_output,
+                      body.skip_special_tokens, body.spaces_between_special_tokens, body.priority)
+
+
+async def _run(reply: Reply, prompts: list[list[int]], opts: RunOptions, stream: bool
+               ) -> JSONResponse | StreamingResponse:
     gen = reply.gen
     admission = gen.admit()
-    gen.metrics.prompt_tokens.inc(len(ids))
-    deltas = gen.run(reply.request_id, ids, params, reply.n, stops, include_stop, priority)
+    gen.metrics.prompt_tokens.inc(sum(reply.prompt_lens))
+    deltas = gen.run(reply.request_id, prompts, opts)
     return await respond(reply, deltas, stream, admission)
 
 

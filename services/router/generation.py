@@ -3,8 +3,8 @@
 
     gen = Generator(config, tokenizer, dispatcher, metrics)
     admission = gen.admit()                       # 429 / 503 before any work
-    ids = await gen.tokenize(messages, "messages")
-    async for delta in gen.run(request_id, ids, params, n, stops): ...
+    ids = await gen.tokenize(messages, "messages", template, truncate=None)
+    async for delta in gen.run(request_id, [ids], RunOptions(params, n=2)): ...
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import copy
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -22,15 +22,17 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_token
 from engine.output_processor import find_stop_string
-from engine.processor import Processor, child_request_id
+from engine.processor import Processor
 from engine.sampling_params import SamplingParams
+from services.router.chat_options import TemplateOptions
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.errors import OpenAIError
+from services.router.fanout import RunOptions, keep_best, merged, plan
 from services.router.metrics import RouterMetrics
 from services.worker.client import PositionLogprobs
 
-Prompt = str | list[int] | list[dict[str, Any]]
+Text = str | list[dict[str, Any]]  # a text prompt, or chat messages
 
 
 @dataclass
@@ -124,38 +126,40 @@ class Generator:
                                        f"requests; retry later", code="rate_limit_exceeded", headers=retry)
         return Admission(self)
 
-    async def tokenize(self, prompt: Prompt, param: str) -> list[int]:
-        """The prompt's token ids (chat template applied). Long prompts are tokenized in the pool;
-        any error on user text is a 400 naming `param`, never a 500."""
+    async def tokenize(self, prompt: Text, param: str, template: TemplateOptions | None = None,
+                       truncate: int | None = None) -> list[int]:
+        """The prompt's token ids (chat template applied), only its last `truncate` kept, checked.
+        Long prompts are tokenized in the pool; any error on user text is a 400 naming `param`,
+        never a 500. A prompt to truncate may be longer than max_model_len."""
         chars = _chars(prompt)
-        if chars > self.max_prompt_chars:
+        if truncate is None and chars > self.max_prompt_chars:
             raise OpenAIError(400, f"{param}: {chars} characters cannot fit in max_model_len="
                                    f"{self.config.max_model_len} tokens", param)
+        template = template or TemplateOptions()
+        special = isinstance(prompt, str)  # a chat template writes its own special tokens
         try:
             if chars <= self.config.inline_chars:
-                return self.processor.preprocess(prompt)[1]
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self._pooled, prompt)
+                ids = _encode(self.processor, prompt, template, special)
+            else:
+                ids = await asyncio.get_running_loop().run_in_executor(
+                    self._pool, self._pooled, prompt, template, special)
         except ValueError as e:
             raise OpenAIError(400, str(e), param) from e
         except Exception as e:  # the tokenizer or template refused the text (a lone surrogate...)
             raise OpenAIError(400, f"{param}: cannot be tokenized: {type(e).__name__}: {e}"[:500],
                               param) from e
+        return self.check_token_ids(ids, param, truncate)
 
-    def _pooled(self, prompt: Prompt) -> list[int]:
-        return list(self._local.processor.preprocess(prompt)[1])
+    def _pooled(self, prompt: Text, template: TemplateOptions, add_special_tokens: bool) -> list[int]:
+        return _encode(self._local.processor, prompt, template, add_special_tokens)
 
-    async def encode(self, prompt: str | list[dict[str, Any]], param: str, add_special_tokens: bool,
-                     add_generation_prompt: bool = True) -> list[int]:
+    async def encode(self, prompt: Text, param: str, add_special_tokens: bool,
+                     template: TemplateOptions | None = None) -> list[int]:
         """/tokenize: the token ids of a text or of chat messages (their template applied), in the
         pool, with no length limit (the count is the answer). Errors on user text are 400s."""
-        def run() -> list[int]:
-            proc = self._local.processor
-            text = (prompt if isinstance(prompt, str)
-                    else proc.apply_chat_template(prompt, add_generation_prompt))
-            return list(proc.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
-
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._pooled, prompt, template or TemplateOptions(), add_special_tokens)
         except Exception as e:  # the tokenizer or template refused the text
             raise OpenAIError(400, f"{param}: cannot be tokenized: {type(e).__name__}: {e}"[:500],
                               param) from e
@@ -173,12 +177,28 @@ class Generator:
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 
-    def check_token_ids(self, token_ids: list[int], param: str) -> list[int]:
-        """A token-id prompt whose items pydantic already checked are ints: length and range only."""
+    def check_token_ids(self, token_ids: list[int], param: str, truncate: int | None = None) -> list[int]:
+        """A token-id prompt whose items pydantic already checked are ints, its last `truncate`
+        kept: length and range only."""
+        if truncate is not None:
+            token_ids = token_ids[-truncate:]  # left truncation, as vLLM's
         try:
             return self.processor.check_token_ids(token_ids)
         except ValueError as e:
             raise OpenAIError(400, str(e), param) from e
+
+    def truncation(self, keep: int | None, max_tokens: int | None) -> int | None:
+        """truncate_prompt_tokens as the number of prompt tokens to keep (vLLM's): at most what fits
+        beside max_tokens (at least one output token), -1 for exactly that; more is a 400."""
+        if keep is None:
+            return None
+        room = self.processor.max_model_len - max(max_tokens or 0, 1)
+        if keep > room or room < 1:
+            raise OpenAIError(400, f"truncate_prompt_tokens={keep} leaves no room for the output: at "
+                                   f"most max_model_len={self.processor.max_model_len} minus max_tokens "
+                                   f"({max(max_tokens or 0, 1)}) = {room} prompt tokens fit",
+                              "truncate_prompt_tokens")
+        return room if keep == -1 else keep
 
     def params(self, prompt_len: int, max_tokens: int | None, fields: dict[str, Any],
                logprobs: int | None) -> SamplingParams:
@@ -197,57 +217,42 @@ class Generator:
         except ValueError as e:
             raise OpenAIError(400, str(e), str(e).split(" ", 1)[0].rstrip(":")) from e
 
-    async def run(self, request_id: str, prompt_ids: list[int], params: SamplingParams, n: int,
-                  stops: list[str], include_stop: bool = False, priority: int = 0
+    async def run(self, request_id: str, prompts: Sequence[list[int]], opts: RunOptions
                   ) -> AsyncGenerator[Delta, None]:
-        """The deltas of all `n` samples, interleaved as they come. A sample ends at the first of
-        `stops` in its text, which keeps that stop string when `include_stop` (vLLM's
-        include_stop_str_in_output). `priority`: the workers' scheduling priority."""
-        if n == 1:
-            only = self._sample(request_id, 0, prompt_ids, params, stops, include_stop, priority)
-            async with aclosing(only) as sample:
-                async for delta in sample:
-                    if delta.finish_reason:
-                        self.metrics.request_finished(1, delta.completion_tokens)
+        """The deltas of every sample of every prompt (fanout.py numbers them), interleaved as they
+        come; with best_of, once all have ended, only those of each prompt's n best. A sample ends
+        at the first of `opts.stops` in its text, which keeps that stop string when
+        `opts.include_stop` (vLLM's include_stop_str_in_output)."""
+        samples = [self._sample(s.request_id, s.index, prompts[s.prompt], s.params, opts)
+                   for s in plan(request_id, len(prompts), opts)]
+        per = opts.per_prompt
+        ended: dict[int, tuple[int, int]] = {}  # prompt -> (samples finished, tokens of the longest)
+        async with aclosing(merged(samples)) as deltas:
+            every: list[Delta] = []
+            async for delta in deltas:
+                if delta.finish_reason:  # each prompt of a batch is one request, as in vLLM
+                    k = delta.index // per
+                    count, most = ended.get(k, (0, 0))
+                    ended[k] = (count + 1, max(most, delta.completion_tokens))
+                    if count + 1 == per:
+                        self.metrics.request_finished(opts.n, ended[k][1])
+                if opts.ranks:
+                    every.append(delta)
+                else:
                     yield delta
-            return
-        queue: asyncio.Queue[Delta | BaseException | None] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for delta in self._sample(child_request_id(request_id, i), i, prompt_ids,
-                                                 params.for_child(i), stops, include_stop, priority):
-                    queue.put_nowait(delta)
-                queue.put_nowait(None)
-            except Exception as e:
-                queue.put_nowait(e)
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(n)]
-        finished, most = 0, 0  # samples finished, tokens of the longest
-        try:
-            for _ in range(n):
-                while (item := await queue.get()) is not None:
-                    if isinstance(item, BaseException):
-                        raise item
-                    if item.finish_reason:
-                        finished, most = finished + 1, max(most, item.completion_tokens)
-                        if finished == n:
-                            self.metrics.request_finished(n, most)
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        for delta in keep_best(every, opts, len(prompts)) if opts.ranks else ():
+            yield delta
 
     async def _sample(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams,
-                      stops: list[str], include_stop: bool, priority: int = 0
-                      ) -> AsyncGenerator[Delta, None]:
-        detok = IncrementalDetokenizer(self.tokenizer)
+                      opts: RunOptions) -> AsyncGenerator[Delta, None]:
+        detok = IncrementalDetokenizer(self.tokenizer, opts.skip_special_tokens,
+                                       opts.spaces_between_special_tokens)
+        stops, include_stop = list(opts.stops), opts.include_stop
         # Text that may be the start of a stop string waits (unless stop strings are kept anyway).
         hold_back = 0 if include_stop else max((len(s) for s in stops), default=1) - 1
         text, sent, num_tokens, token_chars = "", 0, 0, 0
         start = last = time.perf_counter()
-        async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params, priority)) as steps:
+        async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params, opts.priority)) as steps:
             async for step in steps:
                 if step.accepted:  # a worker has the sample: nothing to say yet
                     yield Delta(index, "", [], [], None, num_tokens, 0)
@@ -258,7 +263,11 @@ class Generator:
                     last = now
                 num_tokens += len(step.token_ids)
                 checked = len(text)
-                text += detok.update(step.token_ids, finished=bool(step.finish_reason))
+                # A worker's "stop" is a stop token (EOS or a stop_token_id; the router applies stop
+                # strings): like vLLM, its text is left out unless stop strings are kept.
+                stop_token = step.finish_reason == "stop" and not include_stop
+                text += detok.update(step.token_ids[:-1] if stop_token else step.token_ids,
+                                     finished=bool(step.finish_reason))
                 finish = step.finish_reason or None
                 match = find_stop_string(text, checked, stops, include_stop_str=include_stop)
                 if match is not None:
@@ -277,7 +286,13 @@ class Generator:
                     return  # leaving the loop early cancels the decode call
 
 
-def _chars(prompt: Prompt) -> int:
+def _encode(proc: Processor, prompt: Text, template: TemplateOptions, add_special_tokens: bool
+            ) -> list[int]:
+    text = prompt if isinstance(prompt, str) else proc.apply_chat_template(prompt, **template.as_kwargs())
+    return list(proc.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+
+def _chars(prompt: Text) -> int:
     """Characters of a text prompt or of chat messages' contents (0 for token ids)."""
     if isinstance(prompt, str):
         return len(prompt)

@@ -31,6 +31,7 @@ from services.router import unsupported
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 MAX_STOP_STRINGS = 16
+MAX_PROMPTS = 256  # a batch's prompts: each runs n (or best_of) samples
 
 
 def _json_integer(v: object) -> int:
@@ -96,6 +97,12 @@ class _SamplingFields(BaseModel):
     bad_words: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=200)]],
                          Field(max_length=MAX_STOP_STRINGS)] | None = None
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX), BeforeValidator(_json_integer)] = 0
+    # vLLM's detokenization options, applied where the router turns token ids into text.
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True  # the tokenizer's: the `tokenizers` backend ignores it
+    # vLLM's: keep the prompt's last k tokens (-1: as many as fit with the output tokens asked for).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT32_MAX),
+                                      BeforeValidator(_json_integer)] | None = None
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The engine SamplingParams fields this request sets (max_tokens and logprobs aside;
@@ -125,6 +132,13 @@ class _SamplingFields(BaseModel):
             raise ValueError(f"seed + n - 1 must be at most {INT64_MAX} (sample i runs with seed + i)")
         return v
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_some(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be at least 1, or -1 (as many as fit), got 0")
+        return v
+
     @property
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -140,10 +154,39 @@ class _SamplingFields(BaseModel):
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+TextPrompt = Annotated[StrictStr, Field(min_length=1)]
+TokenIdsPrompt = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
 class CompletionRequest(_SamplingFields, _CompletionRefused):
-    prompt: (Annotated[StrictStr, Field(min_length=1)]
-             | Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)])  # text or token ids
+    # One prompt (text or token ids) or a batch of them (vLLM's: choice k * n + i is sample i of prompt k).
+    prompt: (TextPrompt | TokenIdsPrompt
+             | Annotated[list[TextPrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[TokenIdsPrompt], Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: TopLogprobs | None = None
+    best_of: SampleCount | None = None  # after n, seed and stream: its checks need them
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch's prompts; one prompt is a batch of one (a list of ints is one prompt)."""
+        p = self.prompt
+        if isinstance(p, str) or isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+    @field_validator("best_of")
+    @classmethod
+    def _at_least_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n, seed = info.data.get("n", 1), info.data.get("seed")
+        if v is None:
+            return v
+        if v < n:
+            raise ValueError(f"must be at least n={n}, got {v}")
+        if v > n and info.data.get("stream"):
+            raise ValueError("cannot be used with stream (the best samples are known once all have ended)")
+        if seed is not None and seed + v - 1 > INT64_MAX:
+            raise ValueError(f"seed + best_of - 1 must be at most {INT64_MAX} (sample i runs with seed + i)")
+        return v
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -158,16 +201,41 @@ class CompletionRequest(_SamplingFields, _CompletionRefused):
         if isinstance(v, str | list) and not v:
             raise ValueError("prompt must not be empty")
         if isinstance(v, list) and any(isinstance(p, str | list) for p in v):
-            raise ValueError("a batch of prompts (a list of strings or of token-id lists) is not "
-                             "supported by this server yet; send one prompt per request")
+            return handler(_batch(v))
         if isinstance(v, list):
-            ids = _token_ids(v)
-            if min(ids) < 0:
-                raise ValueError(f"token ids must not be negative, got {min(ids)}")
-            return handler(ids)
+            return handler(_checked_ids(v))
         if not isinstance(v, str):
-            raise ValueError(f"must be a string or a list of token ids, got {type(v).__name__}")
+            raise ValueError(f"must be a string, a list of token ids, or a batch of either, got "
+                             f"{type(v).__name__}")
         return handler(v)
+
+
+def _batch(v: list[object]) -> list[str] | list[list[int]]:
+    """A batch of prompts, all texts or all token-id lists, or a ValueError naming what is wrong."""
+    if len(v) > MAX_PROMPTS:
+        raise ValueError(f"a batch holds at most {MAX_PROMPTS} prompts, got {len(v)}")
+    if all(isinstance(p, str) for p in v):
+        if not all(v):
+            raise ValueError(f"prompt {[bool(p) for p in v].index(False)} of the batch is empty")
+        return v  # type: ignore[return-value]
+    if not all(isinstance(p, list) for p in v):
+        raise ValueError("a batch of prompts must be all strings or all lists of token ids")
+    out = []
+    for k, p in enumerate(v):
+        try:
+            out.append(_checked_ids(p))  # type: ignore[arg-type]
+        except ValueError as e:
+            raise ValueError(f"prompt {k} of the batch: {e}") from None
+    return out
+
+
+def _checked_ids(v: list[object]) -> list[int]:
+    if not v:
+        raise ValueError("prompt must not be empty")
+    ids = _token_ids(v)
+    if min(ids) < 0:
+        raise ValueError(f"token ids must not be negative, got {min(ids)}")
+    return ids
 
 
 def _token_ids(v: list[object]) -> list[int]:
@@ -197,12 +265,21 @@ class ChatMessage(BaseModel):
         return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
 
 
-class ChatCompletionRequest(_SamplingFields, _ChatRefused):
+class ChatTemplateFields(BaseModel):
+    """vLLM's chat template options (checked against each other and the messages in chat_options.py)."""
+
+    add_generation_prompt: StrictBool = True  # end with the assistant's header
+    continue_final_message: StrictBool = False  # leave the last (assistant) message open: no end of turn
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+
+class ChatCompletionRequest(_SamplingFields, ChatTemplateFields, _ChatRefused):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
     parallel_tool_calls: StrictBool | None = None  # only means something with tools (refused for now)
+    echo: StrictBool = False  # vLLM's: the reply starts with the last message when it has the reply's role
 
     @property
     def token_limit(self) -> int | None:

@@ -1,7 +1,9 @@
 """OpenAI response bodies and SSE streams from a request's deltas (completions and chat).
 
-    reply = Reply(gen, model, request_id, prompt_len, n, chat=True, include_usage=False)
+    reply = Reply(gen, model, request_id, prompt_lens=(12,), n=2, chat=True, include_usage=False)
     return await respond(reply, deltas, stream=True, admission=admission)
+
+Choice `k * n + i` is sample i of prompt k (vLLM's numbering); usage sums the prompts.
 
 Errors before the first delta are HTTP statuses; errors after a streamed response started are an
 error event followed by `[DONE]`, as vLLM's server does.
@@ -11,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +37,17 @@ class Reply:
     gen: Generator
     model: str
     request_id: str
-    prompt_len: int
-    n: int
+    prompt_lens: tuple[int, ...]  # of each prompt of the batch
+    n: int  # choices per prompt
     chat: bool
     include_usage: bool
     continuous_usage: bool = False  # every chunk carries usage so far (vLLM's continuous_usage_stats)
+    role: str = "assistant"  # of a chat reply's messages
+    echo: str = ""  # what every chat choice's content starts with (vLLM's echo)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.prompt_lens) * self.n
 
     def body(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None, chunk: bool
              ) -> dict[str, Any]:
@@ -92,24 +100,30 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
                 if delta.accepted:
                     delta = await anext(deltas, None)
                     continue
-                role_event = ""  # a sample's first chat event names the role; it leaves with the text
+                first_events = ""  # a sample's first chat events (role, echo) leave with its text
                 if reply.chat and delta.index not in started:
                     started.add(delta.index)
-                    role = {"index": delta.index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}
-                    role_event = _sse(reply.body([role], _so_far(reply, 0), chunk=True))
+                    first_events = _chat_start(reply, delta.index)
                 if delta.finish_reason:
                     finals[delta.index] = delta
                 choice = _choice(reply, delta, stream=True)
-                usage = _so_far(reply, delta.completion_tokens, delta.cached_tokens)
-                yield role_event + _sse(reply.body([choice], usage, chunk=True))
+                usage = _so_far(reply, delta.index, delta.completion_tokens, delta.cached_tokens)
+                yield first_events + _sse(reply.body([choice], usage, chunk=True))
                 delta = await anext(deltas, None)
     except (WorkerError, NoWorkerError) as e:
         error = from_dispatch(e, reply.gen.config.retry_after_s)
         yield _sse(error_body(error.message, "server_error", None, error.code))
     if reply.include_usage:
-        yield _sse(reply.body([], _usage(reply.prompt_len, finals.values()), chunk=True))
+        yield _sse(reply.body([], _usage(reply, finals.values()), chunk=True))
     yield "data: [DONE]\n\n"
+
+
+def _chat_start(reply: Reply, index: int) -> str:
+    """A chat choice's first events: its role, then what it echoes (vLLM's order)."""
+    usage = _so_far(reply, index, 0)
+    events = [{"role": reply.role, "content": ""}] + ([{"content": reply.echo}] if reply.echo else [])
+    return "".join(_sse(reply.body([{"index": index, "delta": d, "logprobs": None, "finish_reason": None}],
+                                   usage, chunk=True)) for d in events)
 
 
 def _sse(body: dict[str, Any]) -> str:
@@ -117,30 +131,37 @@ def _sse(body: dict[str, Any]) -> str:
 
 
 def _full_body(reply: Reply, deltas: Sequence[Delta]) -> dict[str, Any]:
+    by_choice: dict[int, list[Delta]] = {i: [] for i in range(reply.num_choices)}
+    for d in deltas:
+        by_choice[d.index].append(d)
     choices = []
-    for i in range(reply.n):
-        mine = [d for d in deltas if d.index == i]
+    for i, mine in by_choice.items():
         merged = Delta(i, "".join(d.text for d in mine), [t for d in mine for t in d.token_ids],
                        [lp for d in mine for lp in d.logprobs], mine[-1].finish_reason,
                        mine[-1].completion_tokens, mine[0].cached_tokens, mine[0].text_offset,
                        mine[0].top_n)
         choices.append(_choice(reply, merged, stream=False))
     finals = [d for d in deltas if d.finish_reason]
-    return reply.body(choices, _usage(reply.prompt_len, finals), chunk=False)
+    return reply.body(choices, _usage(reply, finals), chunk=False)
 
 
-def _so_far(reply: Reply, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any] | None:
-    """A chunk's usage: None, or with continuous usage the prompt and this sample's tokens so far
+def _so_far(reply: Reply, index: int, completion_tokens: int, cached_tokens: int = 0
+            ) -> dict[str, Any] | None:
+    """A chunk's usage: None, or with continuous usage the choice's prompt and its tokens so far
     (as vLLM counts them per choice)."""
     if not reply.continuous_usage:
         return None
-    return usage_body(reply.prompt_len, completion_tokens, cached_tokens)
+    return usage_body(reply.prompt_lens[index // reply.n], completion_tokens, cached_tokens)
 
 
-def _usage(prompt_len: int, finals: Any) -> dict[str, Any]:
+def _usage(reply: Reply, finals: Iterable[Delta]) -> dict[str, Any]:
+    """Every prompt's tokens and every choice's; cached: each prompt's most cached, summed."""
     finals = list(finals)
-    return usage_body(prompt_len, sum(d.completion_tokens for d in finals),
-                      max((d.cached_tokens for d in finals), default=0))
+    cached: dict[int, int] = {}
+    for d in finals:
+        cached[d.index // reply.n] = max(cached.get(d.index // reply.n, 0), d.cached_tokens)
+    return usage_body(sum(reply.prompt_lens), sum(d.completion_tokens for d in finals),
+                      sum(cached.values()))
 
 
 def _choice(reply: Reply, delta: Delta, stream: bool) -> dict[str, Any]:
@@ -149,7 +170,7 @@ def _choice(reply: Reply, delta: Delta, stream: bool) -> dict[str, Any]:
         return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
     key, content = ("delta", {"content": delta.text}) if stream else (
-        "message", {"role": "assistant", "content": delta.text})
+        "message", {"role": reply.role, "content": reply.echo + delta.text})
     return {"index": delta.index, key: content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 

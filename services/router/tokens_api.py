@@ -1,7 +1,8 @@
 """vLLM's tokenizer endpoints on the router (the same tokenizer and chat template as generation):
 
     POST /tokenize     {"prompt": text, "add_special_tokens": true}
-                       or {"messages": [...], "add_generation_prompt": true, "add_special_tokens": false}
+                       or {"messages": [...], "add_generation_prompt": true, "add_special_tokens": false,
+                           "continue_final_message": false, "chat_template_kwargs": {...}}
                        -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize   {"tokens": [ids]} -> {"prompt": text}
 
@@ -19,10 +20,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
+from services.router.chat_options import template_options
 from services.router.config import RouterConfig
 from services.router.errors import OpenAIError
 from services.router.generation import Generator
-from services.router.openai_models import OPENAI_RESPONSES, ChatMessage, _json_integer
+from services.router.openai_models import OPENAI_RESPONSES, ChatMessage, ChatTemplateFields, _json_integer
 
 
 class _Tokenize(BaseModel):
@@ -37,9 +39,8 @@ class TokenizeText(_Tokenize):
     add_special_tokens: StrictBool = True  # as a completion's prompt
 
 
-class TokenizeChat(_Tokenize):
+class TokenizeChat(_Tokenize, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: StrictBool = True
     add_special_tokens: StrictBool = False  # the chat template writes them, as for a chat request
 
 
@@ -100,8 +101,9 @@ def tokens_router(config: RouterConfig, gen: Callable[[], Generator]) -> APIRout
         check_model(req.model)
         g = gen()
         if isinstance(req, TokenizeChat):
+            template = template_options(req, req.messages, g.tokenizer)
             ids = await g.encode([m.as_template_dict() for m in req.messages], "messages",
-                                 req.add_special_tokens, req.add_generation_prompt)
+                                 req.add_special_tokens, template)
         else:
             ids = await g.encode(req.prompt, "prompt", req.add_special_tokens)
         strs = (await g.decode(ids, "tokens"))[1] if req.return_token_strs else None

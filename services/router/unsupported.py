@@ -36,10 +36,6 @@ def _false(v: Any) -> bool:
     return v is None or v is False
 
 
-def _true(v: Any) -> bool:
-    return v is None or v is True
-
-
 def _zero(v: Any) -> bool:
     return v is None or (type(v) in (int, float) and v == 0)
 
@@ -63,9 +59,6 @@ def _text_modality(v: Any) -> bool:
 # Field -> (its no-op test, what a client would expect it to do).
 _SAMPLING: dict[str, tuple[NoOp, str]] = {
     "prompt_logprobs": (_absent, "returns the prompt's logprobs"),
-    "skip_special_tokens": (_true, "keeps special tokens in the text when false"),
-    "spaces_between_special_tokens": (_true, "joins special tokens without spaces when false"),
-    "truncate_prompt_tokens": (_absent, "truncates the prompt"),
     "use_beam_search": (_false, "runs beam search"),
     "length_penalty": (_one, "weighs beam-search lengths"),
     "logits_processors": (_empty, "runs custom logits processors"),
@@ -81,7 +74,6 @@ _SAMPLING: dict[str, tuple[NoOp, str]] = {
     "cache_salt": (_absent, "isolates the request's prefix cache"),
     "kv_transfer_params": (_absent, "takes part in an external KV transfer"),
     "vllm_xargs": (_empty, "passes extra arguments to custom extensions"),
-    "best_of": (_one, "samples best_of and returns the n best"),
 }
 
 COMPLETION: dict[str, tuple[NoOp, str]] = {
@@ -92,15 +84,12 @@ COMPLETION: dict[str, tuple[NoOp, str]] = {
 
 CHAT: dict[str, tuple[NoOp, str]] = {
     **_SAMPLING,
-    "echo": (_false, "echoes the last message"),
+    "best_of": (_one, "samples best_of and returns the n best"),  # vLLM's chat has no best_of either
     "tools": (_empty, "offers tools (tool calling)"),
     "tool_choice": (_no_tool_choice, "asks for a tool call"),
     "functions": (_empty, "offers functions (function calling)"),
     "function_call": (_no_tool_choice, "asks for a function call"),
-    "add_generation_prompt": (_true, "leaves out the assistant prompt when false"),
-    "continue_final_message": (_false, "continues the last assistant message"),
     "chat_template": (_absent, "replaces the model's chat template"),
-    "chat_template_kwargs": (_empty, "passes arguments to the chat template"),
     "documents": (_empty, "passes documents to the chat template"),
     "mm_processor_kwargs": (_empty, "passes arguments to a multimodal processor"),
     "modalities": (_text_modality, "asks for audio output"),

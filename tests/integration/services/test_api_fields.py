@@ -1,7 +1,7 @@
 """Request fields through the official `openai` client against the router over a colocated worker:
 every OpenAI / vLLM field the server does not implement yet is refused with a 400 whose `param`
 names it (never a silent 200); the same fields with their no-op values, `user` and unknown fields
-are accepted and change nothing; a batch of prompts gets a 400 saying so; vLLM's
+are accepted and change nothing; vLLM's
 `stream_options.continuous_usage_stats` puts the usage so far in every chunk; /tokenize gives the
 tokens generation prefills and /detokenize inverts it; /ping, /version, /v1/models/{id}."""
 
@@ -29,8 +29,7 @@ MESSAGES: list[Any] = [{"role": "user", "content": "Name a colour."}]
 
 # A value of each refused field that asks for something (its no-op value is accepted, below).
 USED: dict[str, Any] = {
-    "prompt_logprobs": 1, "skip_special_tokens": False,
-    "spaces_between_special_tokens": False, "truncate_prompt_tokens": 4,
+    "prompt_logprobs": 1,
     "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["my.module:proc"],
     "return_tokens_as_token_ids": True, "structured_outputs": {"regex": "[a-z]+"},
     "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
@@ -40,8 +39,8 @@ USED: dict[str, Any] = {
     "suffix": " and that is all.", "best_of": 3,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "required", "functions": [{"name": "f", "parameters": {"type": "object"}}],
-    "function_call": {"name": "f"}, "add_generation_prompt": False, "continue_final_message": True,
-    "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False},
+    "function_call": {"name": "f"},
+    "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}], "mm_processor_kwargs": {"k": 1},
     "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
@@ -101,14 +100,6 @@ async def test_no_op_values_user_and_unknown_fields_are_accepted_and_change_noth
     text = (lambda r: r.choices[0].message.content) if chat else (lambda r: r.choices[0].text)
     assert text(out) == text(plain) and text(out)
     assert any("ignored unknown fields ['some_unknown_field']" in r.getMessage() for r in caplog.records)
-
-
-@in_module_loop
-@pytest.mark.parametrize("prompt", [["one", "two"], [[1, 2], [3, 4]]], ids=["strings", "token-lists"])
-async def test_a_batch_of_prompts_is_a_400_that_says_so(client: openai.AsyncOpenAI, prompt: Any) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=4)
-    assert e.value.param == "prompt" and "batch of prompts" in e.value.message
 
 
 @in_module_loop

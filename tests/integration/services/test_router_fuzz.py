@@ -62,11 +62,27 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
         props["max_tokens"] = {"anyOf": [small, {"type": "null"}]}  # null: the completions default 16
         props["min_tokens"] = {"type": "integer", "minimum": 0, "maximum": 1}  # <= any max_tokens
     prompt = spec["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]
-    ids = next(member for member in prompt["anyOf"] if member["type"] == "array")
-    ids["items"]["maximum"] = 255  # in every vocabulary (the app rejects ids past the model's)
+    for member in prompt["anyOf"]:
+        items = member.get("items", {})
+        ids = items.get("items", items)  # a batch's token-id lists, or one prompt's ids
+        if ids.get("type") == "integer":
+            ids["maximum"] = 255  # in every vocabulary (the app rejects ids past the model's)
+        if "maxItems" in member:
+            member["maxItems"] = MAX_N  # a small batch
     chat = spec["components"]["schemas"]["ChatCompletionRequest"]
     chat["properties"]["max_completion_tokens"] = small  # else a chat runs to max_model_len
     chat["required"] = [*chat["required"], "max_completion_tokens"]
+    # Rules across fields the schema cannot say: best_of >= n (and no stream), a final message
+    # continued only without a generation prompt, no template variable the request's fields set,
+    # and a truncation that leaves room for the output. The edge cases below try them.
+    spec["components"]["schemas"]["CompletionRequest"]["properties"]["best_of"] = {"type": "null"}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        spec["components"]["schemas"][name]["properties"]["truncate_prompt_tokens"] = {"anyOf": [
+            {"type": "integer", "minimum": 1, "maximum": 64}, {"enum": [-1]}, {"type": "null"}]}
+    chat["properties"]["continue_final_message"] = {"enum": [False]}
+    chat["properties"]["chat_template_kwargs"] = {"anyOf": [{"type": "null"}, {
+        "type": "object", "properties": {"enable_thinking": {"type": "boolean"}, "x": {}},
+        "additionalProperties": False}]}
     # Fields not implemented yet: valid requests leave them out (any value is a 400 naming them).
     for name, table in (("CompletionRequest", unsupported.COMPLETION),
                         ("ChatCompletionRequest", unsupported.CHAT)):
@@ -190,7 +206,18 @@ EDGES = [
     ("/v1/completions", _body(prompt=[10**30]), "prompt"),
     ("/v1/completions", _body(prompt=[-1]), "prompt"),
     ("/v1/completions", _body(prompt=[]), "prompt"),
-    ("/v1/completions", _body(prompt=[[1, 2]]), "prompt"),
+    ("/v1/completions", _body(prompt=[[1, 2], []]), "prompt"),
+    ("/v1/completions", _body(prompt=["a", [1]]), "prompt"),
+    ("/v1/completions", _body(prompt=["a", ""]), "prompt"),
+    ("/v1/completions", _body(prompt=["a"] * 257), "prompt"),
+    ("/v1/completions", _body(prompt=[[1, 10**30]]), "prompt"),
+    ("/v1/completions", _body(n=2, best_of=1), "best_of"),
+    ("/v1/completions", _body(best_of=2, stream=True), "best_of"),
+    ("/v1/completions", _body(best_of=17), "best_of"),
+    ("/v1/completions", _body(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
+    ("/v1/completions", _body(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    ("/v1/completions", _body(truncate_prompt_tokens=10**6), "truncate_prompt_tokens"),
+    ("/v1/completions", _body(skip_special_tokens="no"), "skip_special_tokens"),
     ("/v1/completions", _body(prompt="x " * 100_000), "prompt"),
     ("/v1/completions", _body(stop=["x"] * 10_000), "stop"),
     ("/v1/completions", _body(stream_options={"include_usage": "yes"}), "stream_options.include_usage"),
@@ -206,6 +233,18 @@ EDGES = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}), "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                          "max_completion_tokens": 0}), "max_completion_tokens"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "assistant", "content": "a"}],
+                                         "continue_final_message": True}), "continue_final_message"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "continue_final_message": True, "add_generation_prompt": False}),
+     "continue_final_message"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "chat_template_kwargs": {"tokenize": True}}),
+     "chat_template_kwargs"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "chat_template_kwargs": "x"}), "chat_template_kwargs"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "best_of": 2}), "best_of"),
     ("/v1/completions", json.dumps([1, 2, 3]), None),
     ("/v1/completions", "null", None),
 ]
@@ -223,6 +262,16 @@ ACCEPTED = [
     _body(n=16, max_tokens=4, stream=True, stream_options={"include_usage": True}),
     _body(temperature=2.0, top_p=1e-300),
     _body(prompt="\x00\ud7ff\U0010ffff" * 50),
+    _body(prompt=[[1, 2], [3]], n=2, stream=True,
+          stream_options={"include_usage": True, "continuous_usage_stats": True}),
+    _body(prompt=["a", "b"], n=2, best_of=3, logprobs=2),
+    _body(prompt=[5] * 600, truncate_prompt_tokens=-1, skip_special_tokens=False,
+          spaces_between_special_tokens=False),
+    json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "a"}],
+                "add_generation_prompt": False, "continue_final_message": True, "echo": True, "stream": True,
+                "truncate_prompt_tokens": 3, "chat_template_kwargs": {"x": [1, {"y": None}]},
+                "max_completion_tokens": 2}),
     json.dumps({"model": MODEL, "messages": [{"role": r, "content": None} for r in ("system", "developer",
                 "tool", "assistant")], "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 0}),
 ]
