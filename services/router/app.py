@@ -47,6 +47,7 @@ from services.router.openai_models import (
     CompletionRequest,
     models_body,
 )
+from services.router.prompt_render import echo_chars
 from services.router.render import Reply, respond
 from services.router.tokens_api import tokens_router
 from services.router.unsupported import log_ignored
@@ -144,9 +145,15 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         prompts = [gen.check_token_ids(p, "prompt", keep) if isinstance(p, list)
                    else await gen.tokenize(p, "prompt", truncate=keep) for p in body.prompts]
         lens = tuple(len(ids) for ids in prompts)
-        params = gen.params(max(lens), max_tokens, body.sampling_kwargs(), body.logprobs)
+        fields = body.sampling_kwargs()
+        if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
+            fields["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+        params = gen.params(max(lens), max_tokens, fields, body.logprobs)
+        echo = await _echo_texts(gen, body, prompts) if body.echo else ()
         reply = Reply(gen, body.model, f"cmpl-{uuid.uuid4().hex}", lens, body.n, False,
-                      body.include_usage, body.continuous_usage)
+                      body.include_usage, body.continuous_usage, echo_prompts=echo,
+                      echo_offsets=tuple(echo_chars(gen.tokenizer, p) for p in prompts) if echo else (),
+                      prompts=tuple(prompts), logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
         return await _run(reply, prompts, _options(body, params, body.best_of), body.stream)
 
     @app.post("/v1/chat/completions", response_model=None, responses=OPENAI_RESPONSES)
@@ -161,7 +168,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         params = gen.params(len(ids), body.token_limit, body.sampling_kwargs(), top)
         reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", (len(ids),), body.n, True,
                       body.include_usage, body.continuous_usage, role=reply_role(body, body.messages),
-                      echo=echo_text(body, body.messages, body.echo))
+                      echo=echo_text(body, body.messages, body.echo), prompt_logprobs=body.prompt_logprobs)
         return await _run(reply, [ids], _options(body, params), body.stream)
 
     # Added before the API key check, so that check (outside it) still sees every request; the
@@ -172,6 +179,16 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         _require_api_key(app, config.api_key)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     return app
+
+
+async def _echo_texts(gen: Generator, body: CompletionRequest, prompts: list[list[int]]) -> tuple[str, ...]:
+    """What each choice of an echoing completion starts with: its prompt as sent (the text of its
+    token ids for an id prompt, or once truncate_prompt_tokens cut it)."""
+    texts = []
+    for sent, ids in zip(body.prompts, prompts, strict=True):
+        whole = isinstance(sent, str) and body.truncate_prompt_tokens is None
+        texts.append(sent if isinstance(sent, str) and whole else (await gen.decode(ids, "prompt"))[0])
+    return tuple(texts)
 
 
 def _options(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams,

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine.config import EngineConfig
@@ -49,6 +49,7 @@ class Delta:
     cached_tokens: int
     text_offset: int = 0  # characters of this sample's token strings before this delta's tokens
     top_n: int = 0  # top logprobs asked for per position
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # positions 1.., first delta
 
     @property
     def accepted(self) -> bool:
@@ -278,7 +279,7 @@ class Generator:
                     self.metrics.success.labels(finish).inc()
                     self.metrics.generation_tokens.inc(num_tokens)
                 yield Delta(index, text[sent:end], step.token_ids, step.logprobs, finish, num_tokens,
-                            step.cached_tokens, token_chars, params.logprobs or 0)
+                            step.cached_tokens, token_chars, params.logprobs or 0, step.prompt_logprobs)
                 if step.logprobs:  # completions' logprobs.text_offset continues from here
                     token_chars += sum(len(decode_token(self.tokenizer, t)) for t in step.token_ids)
                 sent = end

@@ -97,6 +97,8 @@ class _SamplingFields(BaseModel):
     bad_words: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=200)]],
                          Field(max_length=MAX_STOP_STRINGS)] | None = None
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX), BeforeValidator(_json_integer)] = 0
+    # vLLM's: each prompt token's logprob and the top-N there (not with stream for N > 0, as vLLM)
+    prompt_logprobs: TopLogprobs | None = None
     # vLLM's detokenization options, applied where the router turns token ids into text.
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True  # the tokenizer's: the `tokenizers` backend ignores it
@@ -114,7 +116,14 @@ class _SamplingFields(BaseModel):
                 "stop_token_ids": list(self.stop_token_ids or []),
                 "logit_bias": {int(k): v for k, v in (self.logit_bias or {}).items()} or None,
                 "allowed_token_ids": self.allowed_token_ids,  # [] is an error, as in vLLM
-                "bad_words": self.bad_words or None}
+                "bad_words": self.bad_words or None, "prompt_logprobs": self.prompt_logprobs}
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available with stream=true (as in vLLM)")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -164,6 +173,7 @@ class CompletionRequest(_SamplingFields, _CompletionRefused):
              | Annotated[list[TextPrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenIdsPrompt], Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: TopLogprobs | None = None
+    echo: StrictBool = False  # each choice starts with its prompt (with logprobs: the prompt's too)
     best_of: SampleCount | None = None  # after n, seed and stream: its checks need them
 
     @property

@@ -27,7 +27,8 @@ from services.router.errors import from_dispatch
 from services.router.generation import Admission, Delta, Generator
 from services.router.hot_path import SSEResponse
 from services.router.openai_models import completion_body, error_body, usage_body
-from services.worker.client import Logprob, WorkerError
+from services.router.prompt_render import echo_logprobs, prompt_logprobs_body, top_candidates
+from services.worker.client import WorkerError
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,12 @@ class Reply:
     continuous_usage: bool = False  # every chunk carries usage so far (vLLM's continuous_usage_stats)
     role: str = "assistant"  # of a chat reply's messages
     echo: str = ""  # what every chat choice's content starts with (vLLM's echo)
+    # Completions echo: each prompt's text, and where its generated tokens' text_offset starts.
+    echo_prompts: tuple[str, ...] = ()
+    echo_offsets: tuple[int, ...] = ()
+    prompts: tuple[list[int], ...] = ()  # each prompt's ids (for echo with logprobs)
+    logprobs: int | None = None  # completions' logprobs (top-N), None when not asked
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top-N), None when not asked
 
     @property
     def num_choices(self) -> int:
@@ -101,14 +108,18 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
                     delta = await anext(deltas, None)
                     continue
                 first_events = ""  # a sample's first chat events (role, echo) leave with its text
-                if reply.chat and delta.index not in started:
-                    started.add(delta.index)
+                opening = delta.index not in started
+                started.add(delta.index)
+                if reply.chat and opening:
                     first_events = _chat_start(reply, delta.index)
                 if delta.finish_reason:
                     finals[delta.index] = delta
-                choice = _choice(reply, delta, stream=True)
+                choice = _choice(reply, delta, stream=True, first=opening)
                 usage = _so_far(reply, delta.index, delta.completion_tokens, delta.cached_tokens)
-                yield first_events + _sse(reply.body([choice], usage, chunk=True))
+                body = reply.body([choice], usage, chunk=True)
+                if reply.chat and opening and delta.index == 0:
+                    _chat_prompt_logprobs(reply, body, delta)
+                yield first_events + _sse(body)
                 delta = await anext(deltas, None)
     except (WorkerError, NoWorkerError) as e:
         error = from_dispatch(e, reply.gen.config.retry_after_s)
@@ -139,10 +150,22 @@ def _full_body(reply: Reply, deltas: Sequence[Delta]) -> dict[str, Any]:
         merged = Delta(i, "".join(d.text for d in mine), [t for d in mine for t in d.token_ids],
                        [lp for d in mine for lp in d.logprobs], mine[-1].finish_reason,
                        mine[-1].completion_tokens, mine[0].cached_tokens, mine[0].text_offset,
-                       mine[0].top_n)
-        choices.append(_choice(reply, merged, stream=False))
+                       mine[0].top_n, next((d.prompt_logprobs for d in mine if d.prompt_logprobs), []))
+        choices.append(_choice(reply, merged, stream=False, first=True))
+        if i == 0:
+            first = merged
     finals = [d for d in deltas if d.finish_reason]
-    return reply.body(choices, _usage(reply, finals), chunk=False)
+    body = reply.body(choices, _usage(reply, finals), chunk=False)
+    if reply.chat:
+        _chat_prompt_logprobs(reply, body, first)
+    return body
+
+
+def _chat_prompt_logprobs(reply: Reply, body: dict[str, Any], delta: Delta) -> None:
+    """vLLM's chat responses carry prompt_logprobs at the top level (the one prompt's)."""
+    if reply.prompt_logprobs is not None:
+        body["prompt_logprobs"] = prompt_logprobs_body(reply.gen.tokenizer, delta.prompt_logprobs,
+                                                       reply.prompt_logprobs)
 
 
 def _so_far(reply: Reply, index: int, completion_tokens: int, cached_tokens: int = 0
@@ -164,24 +187,31 @@ def _usage(reply: Reply, finals: Iterable[Delta]) -> dict[str, Any]:
                       sum(cached.values()))
 
 
-def _choice(reply: Reply, delta: Delta, stream: bool) -> dict[str, Any]:
+def _choice(reply: Reply, delta: Delta, stream: bool, first: bool) -> dict[str, Any]:
+    """One choice of a body or chunk; `first`: the choice's first (its echo and prompt logprobs)."""
     logprobs = _logprobs(reply, delta) if delta.logprobs else None
     if not reply.chat:
-        return {"index": delta.index, "text": delta.text, "logprobs": logprobs,
-                "finish_reason": delta.finish_reason}
+        k = delta.index // reply.n
+        echo = first and bool(reply.echo_prompts)
+        if echo and reply.logprobs is not None:
+            logprobs = _joined(echo_logprobs(reply.gen.tokenizer, reply.prompts[k], delta.prompt_logprobs,
+                                             reply.logprobs), logprobs)
+        choice = {"index": delta.index, "text": (reply.echo_prompts[k] if echo else "") + delta.text,
+                  "logprobs": logprobs, "finish_reason": delta.finish_reason}
+        if reply.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = (prompt_logprobs_body(reply.gen.tokenizer, delta.prompt_logprobs,
+                                                              reply.prompt_logprobs) if first else None)
+        return choice
     key, content = ("delta", {"content": delta.text}) if stream else (
         "message", {"role": reply.role, "content": reply.echo + delta.text})
     return {"index": delta.index, key: content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
 
 
-def _top(candidates: list[Logprob], n: int, with_sampled: bool) -> list[Logprob]:
-    """The top `n` candidates by rank. The worker sends the sampled token first, then the top n
-    without repeating it. Completions (`with_sampled`) also list the sampled token when it is
-    outside the top n, as OpenAI and vLLM do (up to logprobs + 1 entries); chat lists exactly n."""
-    top = sorted((c for c in candidates if 1 <= c.rank <= n), key=lambda c: c.rank)
-    if with_sampled and candidates and candidates[0].rank > n:
-        top.append(candidates[0])
-    return top
+def _joined(echo: dict[str, Any], generated: dict[str, Any] | None) -> dict[str, Any]:
+    """Completions logprobs of the echoed prompt followed by the generated tokens'."""
+    if generated is None:
+        return echo
+    return {key: echo[key] + generated[key] for key in echo}
 
 
 def _logprobs(reply: Reply, delta: Delta) -> dict[str, Any]:
@@ -190,8 +220,9 @@ def _logprobs(reply: Reply, delta: Delta) -> dict[str, Any]:
     positions = [(decode_token(tok, tid), pos)
                  for tid, pos in zip(delta.token_ids, delta.logprobs, strict=False)]
     sampled = [pos[0].logprob if pos else 0.0 for _, pos in positions]
-    tops = [[(decode_token(tok, c.token_id), c.logprob) for c in _top(pos, delta.top_n, not reply.chat)]
-            for _, pos in positions]
+    tops = [[(decode_token(tok, c.token_id), c.logprob)
+             for c in top_candidates(pos, delta.top_n, not reply.chat)] for _, pos in positions]
+    offset = delta.text_offset + (reply.echo_offsets[delta.index // reply.n] if reply.echo_offsets else 0)
     if reply.chat:
         return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
                              "top_logprobs": [{"token": s, "logprob": v, "bytes": list(s.encode())}
@@ -200,4 +231,4 @@ def _logprobs(reply: Reply, delta: Delta) -> dict[str, Any]:
     return {"tokens": [t for t, _ in positions], "token_logprobs": sampled,
             "top_logprobs": [dict(top) for top in tops],
             "text_offset": list(itertools.accumulate((len(t) for t, _ in positions[:-1]),
-                                                     initial=delta.text_offset)) if positions else []}
+                                                     initial=offset)) if positions else []}

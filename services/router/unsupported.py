@@ -58,7 +58,6 @@ def _text_modality(v: Any) -> bool:
 
 # Field -> (its no-op test, what a client would expect it to do).
 _SAMPLING: dict[str, tuple[NoOp, str]] = {
-    "prompt_logprobs": (_absent, "returns the prompt's logprobs"),
     "use_beam_search": (_false, "runs beam search"),
     "length_penalty": (_one, "weighs beam-search lengths"),
     "logits_processors": (_empty, "runs custom logits processors"),
@@ -78,7 +77,6 @@ _SAMPLING: dict[str, tuple[NoOp, str]] = {
 
 COMPLETION: dict[str, tuple[NoOp, str]] = {
     **_SAMPLING,
-    "echo": (_false, "echoes the prompt"),
     "suffix": (_empty, "inserts a completion before a suffix"),
 }
 

@@ -51,7 +51,7 @@ class GatedWorker(pb_grpc.WorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.DecodeChunk]:
         await self._accept_then_wait(context)
-        for _ in range(request.params.max_tokens - 1):
+        for _ in range(request.params.max_tokens - request.num_output_tokens - 1):  # the whole sample's
             yield pb.DecodeChunk(token_ids=[TOKEN])
         yield pb.DecodeChunk(token_ids=[TOKEN], finish_reason="length",
                              usage=pb.Usage(prompt_tokens=len(request.token_ids), completion_tokens=1))

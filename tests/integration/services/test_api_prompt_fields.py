@@ -1,0 +1,158 @@
+"""Completions `echo` (with and without logprobs) and vLLM's `prompt_logprobs` through the router
+(the official openai client, a real colocated worker), against transformers' log-softmax of the
+prompt positions (issue 18)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from services.router.app import RouterConfig
+from services.router.dispatch import DispatchOptions
+from services.worker.server import WorkerServer
+from tests.integration.services.router_util import ServedRouter
+
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+MODEL = "tiny"
+PROMPTS = ["The capital of France is", "Once upon a time there"]
+
+
+@pytest.fixture(scope="module")
+def router(colocated_worker: WorkerServer, model_dir: Path) -> Iterator[ServedRouter]:
+    dispatch = DispatchOptions(decode=(colocated_worker.target,), decode_timeout_s=60)
+    with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
+                                   dispatch=dispatch)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: Path) -> Any:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def log_softmax(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+    return log_softmax
+
+
+def _ids(router: ServedRouter, text: str) -> list[int]:
+    r = httpx.post(f"{router.url}/tokenize", json={"model": MODEL, "prompt": text}, timeout=10)
+    r.raise_for_status()
+    tokens: list[int] = r.json()["tokens"]
+    return tokens
+
+
+@in_module_loop
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("ids", [False, True], ids=["text", "token-ids"])
+async def test_echo_starts_each_choice_with_its_prompt(client: openai.AsyncOpenAI, router: ServedRouter,
+                                                      stream: bool, ids: bool) -> None:
+    prompts: Any = [_ids(router, p) for p in PROMPTS] if ids else PROMPTS
+    kw: dict[str, Any] = {"model": MODEL, "prompt": prompts, "max_tokens": 5, "n": 2, "seed": 4,
+                          "extra_body": {"ignore_eos": True}}
+    plain = await client.completions.create(**kw)
+    texts: dict[int, str] = {}
+    if stream:
+        async for chunk in await client.completions.create(echo=True, stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+    else:
+        texts = {c.index: c.text for c in (await client.completions.create(echo=True, **kw)).choices}
+    assert sorted(texts) == [0, 1, 2, 3]
+    for c in plain.choices:
+        k = c.index // 2
+        prompt_text = PROMPTS[k]
+        if ids:  # an id prompt echoes as its text (the tokenizer may add a BOS token's text)
+            assert texts[c.index].endswith(prompt_text + c.text)
+        else:
+            assert texts[c.index] == prompt_text + c.text
+
+
+@in_module_loop
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_first_none(
+        client: openai.AsyncOpenAI, router: ServedRouter, reference: Any, stream: bool) -> None:
+    prompt = PROMPTS[0]
+    ids = _ids(router, prompt)
+    kw: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                          "logprobs": 2, "echo": True}
+    tokens: list[str] = []
+    lps: list[float | None] = []
+    tops: list[Any] = []
+    offsets: list[int] = []
+    text = ""
+    if stream:
+        async for chunk in await client.completions.create(stream=True, **kw):
+            c = chunk.choices[0]
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens or []
+                lps += c.logprobs.token_logprobs or []
+                tops += c.logprobs.top_logprobs or []
+                offsets += c.logprobs.text_offset or []
+    else:
+        c = (await client.completions.create(**kw)).choices[0]
+        assert c.logprobs is not None
+        text, tokens = c.text, c.logprobs.tokens or []
+        lps, tops = c.logprobs.token_logprobs or [], c.logprobs.top_logprobs or []
+        offsets = c.logprobs.text_offset or []
+    assert len(tokens) == len(lps) == len(tops) == len(offsets) == len(ids) + 4
+    assert lps[0] is None and tops[0] is None
+    assert offsets == sorted(offsets) and offsets[0] == 0
+    assert "".join(tokens).endswith(text[len(prompt):]) and text.startswith(prompt)
+    ref = reference(ids)
+    for pos in range(1, len(ids)):
+        assert lps[pos] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
+        assert len(tops[pos]) in (2, 3)  # the top 2, and the prompt token when outside them
+
+
+@in_module_loop
+async def test_prompt_logprobs_equal_transformers_and_echo(client: openai.AsyncOpenAI, router: ServedRouter,
+                                                          reference: Any) -> None:
+    prompt = PROMPTS[1]
+    ids = _ids(router, prompt)
+    out = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0,
+                                          logprobs=1, echo=True, extra_body={"prompt_logprobs": 3})
+    choice: Any = out.choices[0]
+    plp = choice.model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    ref = reference(ids)
+    for pos in range(1, len(ids)):
+        entry = plp[pos]
+        assert str(ids[pos]) in entry
+        assert entry[str(ids[pos])]["logprob"] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
+        assert 3 <= len(entry) <= 4
+        for tid, e in entry.items():
+            assert e["logprob"] == pytest.approx(float(ref[pos - 1, int(tid)]), abs=1e-4)
+        assert choice.logprobs.token_logprobs[pos] == pytest.approx(entry[str(ids[pos])]["logprob"])
+
+
+@in_module_loop
+async def test_chat_prompt_logprobs_cover_the_templated_prompt(client: openai.AsyncOpenAI) -> None:
+    out = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=2, extra_body={"prompt_logprobs": 0})
+    plp = out.model_extra["prompt_logprobs"] if out.model_extra else None
+    assert out.usage is not None and plp is not None
+    assert len(plp) == out.usage.prompt_tokens and plp[0] is None
+    assert all(len(e) == 1 for e in plp[1:])  # N = 0: the prompt token alone
+
+
+@in_module_loop
+async def test_prompt_logprobs_with_stream_is_a_400_unless_zero(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, stream=True,
+                                        extra_body={"prompt_logprobs": 2})
+    assert e.value.param == "prompt_logprobs"
+    chunks = [c async for c in await client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=3, stream=True, extra_body={"prompt_logprobs": 0})]
+    firsts = [c.choices[0].model_extra.get("prompt_logprobs") for c in chunks if c.choices]
+    assert firsts[0] is not None and len(firsts[0]) > 1 and all(f is None for f in firsts[1:])
