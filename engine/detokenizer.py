@@ -19,6 +19,7 @@ only moves on when new text appeared, so windows never start at text-less tokens
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -75,6 +76,18 @@ class IncrementalDetokenizer:
 
 
 def decode_token(tokenizer: Any, token_id: int) -> str:
-    """The text of one token on its own (special tokens kept), for logprob entries."""
-    text: str = tokenizer.decode([token_id], skip_special_tokens=False)
+    """The text of one token on its own (special tokens kept), for logprob entries; remembered
+    per tokenizer (a prompt's logprobs ask for thousands of candidates, most seen before)."""
+    try:
+        texts = _TOKEN_TEXTS.setdefault(tokenizer, {})
+    except TypeError:  # a tokenizer that cannot be weakly referenced: not remembered
+        texts = {}
+    text = texts.get(token_id)
+    if text is None:
+        text = str(tokenizer.decode([token_id], skip_special_tokens=False))
+        texts[token_id] = text
     return text
+
+
+# tokenizer -> token id -> its text (at most the vocabulary; gone with the tokenizer)
+_TOKEN_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()

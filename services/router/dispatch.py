@@ -176,7 +176,8 @@ class Dispatcher:
         `priority` is the workers' scheduling priority (lower first)."""
         assert params.max_tokens is not None
         hashes = block_hashes(prompt_ids, self.options.block_size)
-        local = self._local_prefill(prompt_ids, hashes)
+        # a prompt_logprobs request computes its whole prompt wherever it runs: not in a decode batch
+        local = self._local_prefill(prompt_ids, hashes) if params.prompt_logprobs is None else None
         first: PrefillResult | None = None
         announced = False
         if local is None:

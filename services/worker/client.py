@@ -30,7 +30,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.sampling_params import SamplingParams
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
-from services.worker.convert import kv_params_to_dict, kv_params_to_proto, params_to_proto
+from services.worker.convert import (
+    MESSAGE_SIZE_OPTIONS,
+    kv_params_to_dict,
+    kv_params_to_proto,
+    params_to_proto,
+)
 
 ErrorKind = Literal["invalid", "unavailable", "timeout", "failed"]
 _KINDS: dict[grpc.StatusCode, ErrorKind] = {
@@ -191,7 +196,7 @@ class WorkerClient:
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.channel = grpc.aio.insecure_channel(target)
+        self.channel = grpc.aio.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
         self.stub = pb_grpc.WorkerStub(self.channel)
         # Prefill called as a server stream of one reply: the same bytes on the wire, but unlike a
         # unary call (one batch of operations in grpc.aio) its initial metadata can be read alone.

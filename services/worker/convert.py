@@ -9,6 +9,12 @@ from engine.outputs import CompletionOutput, PromptLogprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from protos import worker_pb2 as pb
 
+# A prompt's logprobs (prompt_logprobs: about 16 bytes per candidate per prompt token) outgrow
+# gRPC's default 4 MiB: 64 MiB holds top-20 for prompts of ~190k tokens.
+MAX_MESSAGE_BYTES = 64 << 20
+MESSAGE_SIZE_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
 
 def params_from_proto(msg: pb.SamplingParams, output_kind: RequestOutputKind = RequestOutputKind.DELTA,
                       kv_transfer_params: dict[str, Any] | None = None) -> SamplingParams:

@@ -39,6 +39,7 @@ from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from services.procs import PortInUseError, instance_id, port_free, port_in_use_message
 from services.worker.convert import (
+    MESSAGE_SIZE_OPTIONS,
     chunk_from_output,
     kv_params_from_proto,
     kv_params_to_proto,
@@ -319,7 +320,8 @@ class WorkerServer:
                 raise PortInUseError(port_in_use_message(o.host, port, name))
         # No SO_REUSEPORT unless asked: gRPC would otherwise let a second worker share a taken port.
         self.server = grpc.aio.server(interceptors=[self.metrics.interceptor] if self.metrics else None,
-                                      options=[("grpc.so_reuseport", int(o.reuse_port))])
+                                      options=[("grpc.so_reuseport", int(o.reuse_port)),
+                                               *MESSAGE_SIZE_OPTIONS])
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:

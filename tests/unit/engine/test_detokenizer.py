@@ -89,3 +89,21 @@ def test_leading_space_stripping_tokenizers_stream_exactly(sentencepiece_style_t
         assert "".join(pieces) == sentencepiece_style_tokenizer.decode(
             ids, skip_special_tokens=skip)
         assert all("\ufffd" not in p for p in pieces)
+
+
+def test_decode_token_remembers_each_tokens_text_per_tokenizer() -> None:
+    from engine.detokenizer import decode_token
+
+    class Counting:
+        def __init__(self, prefix: str) -> None:
+            self.prefix, self.calls = prefix, 0
+
+        def decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+            assert not skip_special_tokens
+            self.calls += 1
+            return f"{self.prefix}{ids[0]}"
+
+    a, b = Counting("a"), Counting("b")
+    assert [decode_token(a, t) for t in (5, 6, 5, 5)] == ["a5", "a6", "a5", "a5"]
+    assert decode_token(b, 5) == "b5"  # another tokenizer: its own texts
+    assert (a.calls, b.calls) == (2, 1)
