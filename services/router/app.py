@@ -47,6 +47,7 @@ from services.router.openai_models import (
     CompletionRequest,
     models_body,
 )
+from services.router.other_endpoints import endpoints_router
 from services.router.prompt_render import echo_chars
 from services.router.render import Reply, respond
 from services.router.tokens_api import tokens_router
@@ -124,6 +125,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
 
     app.include_router(admin_router(lambda: state["gen"].dispatcher))
     app.include_router(tokens_router(config, lambda: state["gen"]))
+    app.include_router(endpoints_router())
 
     @app.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict[str, Any]:

@@ -125,3 +125,4 @@ def log_ignored(endpoint: str, extra: Mapping[str, Any] | None) -> None:
     """A debug line naming the fields of a request that neither API defines (ignored, as vLLM)."""
     if extra and log.isEnabledFor(logging.DEBUG):
         log.debug("%s: ignored unknown fields %s", endpoint, sorted(extra)[:20])
+

@@ -112,3 +112,13 @@ async def test_priority_on_a_worker_that_ignores_it_is_a_400(client: openai.Asyn
                 pass
     assert e.value.param == "priority" and "scheduling_policy" in e.value.message
     await _complete(client, False, {"priority": 0})  # priority 0 asks for nothing: accepted
+
+
+@in_module_loop
+async def test_endpoints_of_other_model_kinds_are_400s_that_say_so(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.embeddings.create(model=MODEL, input="hello")
+    assert e.value.code == "unsupported_endpoint" and "/v1/embeddings" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.moderations.create(input="hello")
+    assert e.value.code == "unsupported_endpoint"

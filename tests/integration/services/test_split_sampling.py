@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from services.router.app import RouterConfig
 from services.router.dispatch import Dispatcher, DispatchOptions
 from services.router.pool import Pick
-from services.worker.server import WorkerServer
+from services.worker.server import WorkerOptions, WorkerServer
 from tests.integration.services.router_util import ServedRouter
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -238,3 +238,34 @@ async def test_prompt_logprobs_are_the_same_split_and_colocated(dispatchers: dic
         assert [[t for t, _ in p] for p in got[name]] == [[t for t, _ in p] for p in got["split"]]
         for a, b in zip(got[name], got["split"], strict=True):
             assert [lp for _, lp in a] == pytest.approx([lp for _, lp in b], abs=1e-5)
+
+
+@in_module_loop
+async def test_a_preemption_mid_decode_changes_no_token(workers: dict[str, WorkerServer], model_dir: Any,
+                                                        store: Any, dispatchers: dict[str, Dispatcher]
+                                                        ) -> None:
+    """A decode worker with room for about three of these samples at once preempts one of four
+    mid-decode; its tokens are still the colocated worker's."""
+    from dataclasses import replace
+
+    from services.procs import free_port
+    from tests.integration.services.conftest import engine_config
+
+    config = replace(engine_config(model_dir, store.location), num_kv_blocks=36)
+    small = WorkerServer(WorkerOptions(role="decode", engine=config, grace_s=5.0, port=free_port()))
+    await small.start()
+    split = await _ready(Dispatcher(DispatchOptions(prefill=(workers["prefill"].target,),
+                                                    decode=(small.target,))))
+    try:
+        params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=160, ignore_eos=True, logprobs=1,
+                                 presence_penalty=0.5, repetition_penalty=1.2) for i in range(4)]
+        prompts = [PROMPT[i:] + PROMPT[:i] for i in range(4)]
+        got = await asyncio.gather(*(_sample(split, f"pre-{i}", p, q)
+                                     for i, (p, q) in enumerate(zip(params, prompts, strict=True))))
+        engine = small.servicer.engine
+        assert engine is not None and (await engine.get_stats()).num_preemptions > 0, "no preemption"
+        for i, (p, q) in enumerate(zip(params, prompts, strict=True)):
+            _same(got[i], await _sample(dispatchers["colocated"], f"pre-colo-{i}", p, q))
+    finally:
+        await split.close()
+        await small.stop(grace_s=1.0)
