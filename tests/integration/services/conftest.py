@@ -75,6 +75,20 @@ async def colocated_worker(start_worker: StartWorker) -> AsyncIterator[WorkerSer
         await server.stop(grace_s=1.0)
 
 
+@pytest.fixture(scope="module")
+def router(colocated_worker: WorkerServer, model_dir: Path) -> Iterator[Any]:
+    """A router (a ServedRouter, model name "tiny") on the module's colocated worker; a module
+    that needs another setup defines its own `router`."""
+    from services.router.app import RouterConfig
+    from services.router.dispatch import DispatchOptions
+    from tests.integration.services.router_util import ServedRouter
+
+    dispatch = DispatchOptions(decode=(colocated_worker.target,), decode_timeout_s=60)
+    with ServedRouter(RouterConfig(model="tiny", tokenizer=str(model_dir), max_model_len=512,
+                                   dispatch=dispatch)) as served:
+        yield served
+
+
 @pytest_asyncio.fixture(loop_scope="module")
 async def client(router: Any) -> AsyncIterator[Any]:
     """The official openai client (no retries) on the module's `router` fixture (a ServedRouter)."""

@@ -8,7 +8,6 @@ tokens generation prefills and /detokenize inverts it; /ping, /version, /v1/mode
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,6 @@ import openai
 import pytest
 
 from services.router import unsupported
-from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
-from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -55,14 +51,6 @@ CHAT_NO_OP = {"tool_choice": "none", "tools": [], "add_generation_prompt": True,
 
 def test_every_refused_field_is_tried() -> None:
     assert set(USED) == set(unsupported.COMPLETION) | set(unsupported.CHAT)
-
-
-@pytest.fixture(scope="module")
-def router(colocated_worker: WorkerServer, model_dir: Path) -> Iterator[ServedRouter]:
-    dispatch = DispatchOptions(decode=(colocated_worker.target,), decode_timeout_s=60)
-    with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
-                                   dispatch=dispatch)) as served:
-        yield served
 
 
 async def _create(client: openai.AsyncOpenAI, chat: bool, extra: dict[str, Any], **kw: Any) -> Any:

@@ -4,30 +4,17 @@ client, a real colocated worker): each changes the output as vLLM's does, and ba
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
-from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny"
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def router(colocated_worker: WorkerServer, model_dir: Path) -> Iterator[ServedRouter]:
-    dispatch = DispatchOptions(decode=(colocated_worker.target,), decode_timeout_s=60)
-    with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
-                                   dispatch=dispatch)) as served:
-        yield served
 
 
 def _ids(router: ServedRouter, text: str) -> list[int]:

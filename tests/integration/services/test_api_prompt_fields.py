@@ -4,7 +4,6 @@ prompt positions (issue 18)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,22 +12,11 @@ import openai
 import pytest
 import torch
 
-from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
-from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny"
 PROMPTS = ["The capital of France is", "Once upon a time there"]
-
-
-@pytest.fixture(scope="module")
-def router(colocated_worker: WorkerServer, model_dir: Path) -> Iterator[ServedRouter]:
-    dispatch = DispatchOptions(decode=(colocated_worker.target,), decode_timeout_s=60)
-    with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
-                                   dispatch=dispatch)) as served:
-        yield served
 
 
 @pytest.fixture(scope="module")

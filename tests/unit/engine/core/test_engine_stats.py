@@ -5,6 +5,7 @@ message crossing the process boundary intact."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
@@ -56,15 +57,19 @@ def test_histogram_counts_values_in_le_buckets_and_keeps_sum_and_count() -> None
     assert snapshot.count == 6 and snapshot.counts == [2, 2, 1, 1]
 
 
-def test_scheduler_counts_prompt_and_generated_tokens_once_per_request() -> None:
-    s = make_scheduler(max_num_batched_tokens=8)  # a's 10-token prompt takes two steps
-    s.add_request(req("a", list(range(100, 110)), max_tokens=3))
-    s.add_request(req("b", list(range(200, 205)), max_tokens=2))
-    for _ in range(20):
+def _run_to_end(s: Any, max_steps: int) -> None:
+    for _ in range(max_steps):
         if not s.has_unfinished_requests():
             break
         run_step(s)
     assert not s.has_unfinished_requests()
+
+
+def test_scheduler_counts_prompt_and_generated_tokens_once_per_request() -> None:
+    s = make_scheduler(max_num_batched_tokens=8)  # a's 10-token prompt takes two steps
+    s.add_request(req("a", list(range(100, 110)), max_tokens=3))
+    s.add_request(req("b", list(range(200, 205)), max_tokens=2))
+    _run_to_end(s, 20)
     assert s.counters.prompt_tokens == 15
     assert s.counters.generation_tokens == 5
     assert s.counters.preemptions == 0
@@ -78,11 +83,7 @@ def test_scheduler_counts_preemptions() -> None:
     s = make_scheduler(num_blocks=7, max_num_batched_tokens=64, enable_prefix_caching=False)
     s.add_request(req("a", list(range(100, 108)), max_tokens=12))
     s.add_request(req("b", list(range(200, 208)), max_tokens=12))
-    for _ in range(80):
-        if not s.has_unfinished_requests():
-            break
-        run_step(s)
-    assert not s.has_unfinished_requests()
+    _run_to_end(s, 80)
     assert s.counters.preemptions >= 1
     assert s.counters.generation_tokens == 24  # a preempted request's tokens are not recounted
     assert s.counters.prompt_tokens == 16
@@ -94,11 +95,7 @@ def test_a_queue_head_held_back_for_steps_is_looked_up_in_the_prefix_cache_once(
     s = make_scheduler(num_blocks=64, max_num_batched_tokens=16, policy="sjf")
     s.add_request(req("a", list(range(100, 130)), max_tokens=1))
     s.add_request(req("b", list(range(200, 240)), max_tokens=1))
-    for _ in range(20):
-        if not s.has_unfinished_requests():
-            break
-        run_step(s)
-    assert not s.has_unfinished_requests()
+    _run_to_end(s, 20)
     assert (s.kv.stats.queries, s.kv.stats.hits) == (70, 0)
     assert s.counters.prompt_tokens == 70
 
