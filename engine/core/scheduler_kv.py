@@ -1,0 +1,169 @@
+"""The scheduler's side of a KV connector: requests whose KV arrives from outside, loads that
+fail, and freeing a request through the connector (engine/core/scheduler.py inherits this).
+
+Its tables, by request id: `waiting_for_kv` (an asynchronous load under way; the request holds
+its blocks), `_aborted_loading` (aborted while loading: blocks freed once the load stops),
+`_kv_loaded` (loaded, waiting to run), `_loading_in_step` (a layer-wise load inside this step),
+`_load_end` (where an asynchronous load ends), `_rollback` (this step ran over KV that failed to
+load: discard it), `_no_external` (recompute without the connector), and `_failed_outputs`
+(final outputs of requests failed here, sent with the step's).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.outputs import EngineCoreOutput
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import RequestQueue
+from engine.core.request_stats import SchedulerCounters
+
+if TYPE_CHECKING:
+    from engine.connector.base import KVConnectorOutput, KVConnectorScheduler
+
+logger = logging.getLogger(__name__)
+
+
+class KVLoads:
+    """Connector bookkeeping of a Scheduler (which owns the attributes declared here)."""
+
+    kv: KVCacheManager
+    requests: dict[str, Request]
+    running: list[Request]
+    waiting: RequestQueue
+    counters: SchedulerCounters
+    _known_by_runner: set[str]
+    _finished_for_runner: set[str]
+
+    def __init__(self, connector: KVConnectorScheduler | None, load_failure_policy: str) -> None:
+        self.connector = connector
+        self.load_failure_policy = load_failure_policy
+        self.waiting_for_kv: dict[str, Request] = {}
+        self._aborted_loading: dict[str, Request] = {}
+        self._kv_loaded: set[str] = set()
+        self._failed_outputs: list[EngineCoreOutput] = []
+        self._loading_in_step: set[str] = set()
+        self._rollback: set[str] = set()
+        self._no_external: set[str] = set()
+        self._load_end: dict[str, int] = {}
+
+    def _after_alloc(self, request: Request, num_external: int) -> bool:
+        """Tells the connector where the request's external tokens go. A failure there (bad
+        request data) fails the request, whose blocks are freed: False."""
+        assert self.connector is not None
+        try:
+            self.connector.update_state_after_alloc(
+                request, self.kv.get_block_ids(request.request_id), num_external)
+        except Exception as e:
+            self._fail(request, f"kv connector: {e!r}")
+            return False
+        return True
+
+    def _drop_loaded(self, head: Request) -> bool:
+        """The head of the queue does not fit: free the blocks of a request whose KV arrived but
+        which is not running yet (another one first; the head itself only when nothing runs).
+        Its loaded KV stays in the prefix cache, so recomputing it mostly hits. Without this,
+        loaded requests holding blocks in the queue could block each other forever."""
+        others = [r for r in self._kv_loaded if r != head.request_id]
+        if others:
+            victim = self.requests[others[-1]]
+        elif head.request_id in self._kv_loaded and not self.running:
+            victim = head
+        else:
+            return False
+        self._kv_loaded.discard(victim.request_id)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        return True
+
+    def update_connector_output(self, output: KVConnectorOutput | None) -> None:
+        """Requests whose KV finished arriving go back to the waiting queue's head (or fail)."""
+        if output is None or self.connector is None:
+            return
+        self.connector.update_connector_output(output)
+        for req_id in output.finished_recving & self._loading_in_step:
+            self._loading_in_step.discard(req_id)
+            request = self.requests.get(req_id)
+            error = output.load_errors.get(req_id)
+            if request is None or error is None:
+                if request is not None:
+                    self.kv.cache_blocks(request, request.num_computed_tokens)
+                continue
+            if self.load_failure_policy == "fail":
+                self._fail(request, f"kv_load_failed: {error}")
+            else:  # the step computed over bad KV: drop its token and recompute everything
+                self._rollback.add(req_id)
+        for req_id in output.finished_recving - self._loading_in_step:
+            aborted = self._aborted_loading.pop(req_id, None)
+            if aborted is not None:
+                self._free(aborted)
+                continue
+            request = self.waiting_for_kv.pop(req_id, None)
+            if request is None:
+                continue
+            error = output.load_errors.get(req_id)
+            if error is not None and self.load_failure_policy == "fail":
+                self._fail(request, f"kv_load_failed: {error}")
+                continue
+            loaded_end = min(request.num_tokens - 1, self._load_end.pop(req_id, 0))
+            if req_id in output.valid_loaded_tokens:
+                loaded_end = min(loaded_end, output.valid_loaded_tokens[req_id])
+            request.num_computed_tokens = max(request.num_computed_tokens, loaded_end)
+            request.times.num_cached_tokens = request.num_computed_tokens
+            self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+            self._kv_loaded.add(req_id)
+            self.waiting.prepend(request)
+
+    def _fail(self, request: Request, reason: str) -> None:
+        """Ends one request now, with `reason` as its stop reason (a KV load that failed under
+        the "fail" policy, or a connector call that failed on its data): it is taken out of
+        running / waiting, its blocks are freed and its consumer gets a final "abort" output."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.waiting_for_kv.pop(request.request_id, None)
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = reason
+        request.times.finished_time = time.time()
+        self.counters.on_finished(request)
+        self._free(request)
+        self._failed_outputs.append(EngineCoreOutput(
+            request.request_id, [], finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason, times=request.times))
+
+    def _roll_back(self, request: Request) -> None:
+        """Undo a step computed over KV that failed to load: free the blocks (never cached)
+        and queue the request first, to be computed from scratch without the connector."""
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self._no_external.add(request.request_id)
+        # The runner forgets it (as if the step never ran).
+        self._known_by_runner.discard(request.request_id)
+        self._finished_for_runner.add(request.request_id)
+        self.waiting.prepend(request)
+
+    def _free(self, request: Request) -> None:
+        if self.connector is not None:
+            try:
+                _, request.kv_transfer_params = self.connector.request_finished(
+                    request, self.kv.get_block_ids(request.request_id))
+            except Exception as e:  # the request ends either way; its KV is not handed on
+                logger.warning("kv connector: request_finished(%s) failed: %r", request.request_id, e)
+                request.kv_transfer_params = None
+        self._kv_loaded.discard(request.request_id)
+        self._no_external.discard(request.request_id)
+        self._loading_in_step.discard(request.request_id)
+        self._load_end.pop(request.request_id, None)
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._known_by_runner:
+            self._known_by_runner.discard(request.request_id)
+            self._finished_for_runner.add(request.request_id)
