@@ -121,7 +121,7 @@ def test_greedy_with_logit_edits_equals_transformers_processors(llm: Any, hf_mod
 
 
 def _seeded(i: int) -> SamplingParams:
-    return SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=48, ignore_eos=True,
+    return SamplingParams(temperature=1.0, top_p=0.95, seed=100 + i, max_tokens=40, ignore_eos=True,
                           presence_penalty=0.4, frequency_penalty=0.4, repetition_penalty=1.1,
                           min_tokens=4, logit_bias={17: 2.0}, logprobs=2)
 
@@ -129,7 +129,7 @@ def _seeded(i: int) -> SamplingParams:
 def test_seeded_tokens_are_the_same_alone_batched_chunked_and_preempted(model_dir: Path, llm: Any) -> None:
     from engine.llm import LLM
 
-    prompts = [[(7 * i + 13 * j) % 4000 + 100 for j in range(20 + 9 * i)] for i in range(8)]
+    prompts = [[(7 * i + 13 * j) % 4000 + 100 for j in range(20 + 12 * i)] for i in range(6)]
     params = [_seeded(i) for i in range(len(prompts))]
     alone = [llm.generate([p], [sp], use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params,
                                                                                       strict=True)]

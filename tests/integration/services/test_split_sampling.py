@@ -251,13 +251,13 @@ async def test_a_preemption_mid_decode_changes_no_token(workers: dict[str, Worke
     from services.procs import free_port
     from tests.integration.services.conftest import engine_config
 
-    config = replace(engine_config(model_dir, store.location), num_kv_blocks=36)
+    config = replace(engine_config(model_dir, store.location), max_model_len=256, num_kv_blocks=20)
     small = WorkerServer(WorkerOptions(role="decode", engine=config, grace_s=5.0, port=free_port()))
     await small.start()
     split = await _ready(Dispatcher(DispatchOptions(prefill=(workers["prefill"].target,),
                                                     decode=(small.target,))))
     try:
-        params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=160, ignore_eos=True, logprobs=1,
+        params = [SamplingParams(temperature=1.0, seed=40 + i, max_tokens=100, ignore_eos=True, logprobs=1,
                                  presence_penalty=0.5, repetition_penalty=1.2) for i in range(4)]
         prompts = [PROMPT[i:] + PROMPT[:i] for i in range(4)]
         got = await asyncio.gather(*(_sample(split, f"pre-{i}", p, q)
