@@ -40,7 +40,7 @@ def _get(stack: ComposeStack, path: str) -> str:
 def _decisions(stack: ComposeStack) -> dict[str, float]:
     text = _get(stack, "/metrics")
     return {m[0]: float(m[1]) for m in
-            re.findall(r'^pdserve:router_decisions_total\{decision="(\w+)"\} (\S+)$', text, re.M)}
+            re.findall(r'^pdserve:router_decisions_total\{[^}]*decision="(\w+)"[^}]*\} (\S+)$', text, re.M)}
 
 
 def test_up_publishes_only_on_loopback(compose_stack: ComposeStack) -> None:
