@@ -128,8 +128,8 @@ def _same(a: tuple[list[int], list[list[tuple[int, float]]], str],
 @pytest.mark.parametrize("case", list(CASES))
 async def test_split_equals_colocated(dispatchers: dict[str, Dispatcher], case: str) -> None:
     params = SamplingParams(**{**BASE, **CASES[case]})
-    split = await _sample(dispatchers["split"], f"split-{case}", params)
-    colocated = await _sample(dispatchers["colocated"], f"colo-{case}", params)
+    split, colocated = await asyncio.gather(_sample(dispatchers["split"], f"split-{case}", params),
+                                            _sample(dispatchers["colocated"], f"colo-{case}", params))
     _same(split, colocated)
     assert len(split[0]) == NEW or (split[2] == "stop" and len(split[0]) >= params.min_tokens)
     if params.allowed_token_ids:
@@ -147,9 +147,10 @@ async def test_split_equals_colocated(dispatchers: dict[str, Dispatcher], case: 
 async def test_n_samples_with_a_seed_are_the_same_split_and_colocated(
         dispatchers: dict[str, Dispatcher]) -> None:
     params = SamplingParams(temperature=1.0, seed=21, presence_penalty=0.5, **BASE)
-    outs = {name: [await _sample(dispatchers[name], f"{name}-n{i}", params.for_child(i))
-                   for i in range(3)]
+    runs = {name: asyncio.gather(*(_sample(dispatchers[name], f"{name}-n{i}", params.for_child(i))
+                                   for i in range(3)))
             for name in ("split", "colocated")}
+    outs = dict(zip(runs, await asyncio.gather(*runs.values()), strict=True))
     for a, b in zip(outs["split"], outs["colocated"], strict=True):
         _same(a, b)
     assert len({tuple(o[0]) for o in outs["split"]}) == 3  # the samples differ from each other
