@@ -19,6 +19,7 @@ from tests.integration.services.router_util import ServedRouter
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny"
 PROMPT = "The capital of France is"
+PROMPTS = [PROMPT, "Once upon a time there"]
 
 
 def _ids(router: ServedRouter, text: str) -> list[int]:
@@ -121,9 +122,6 @@ async def test_endpoints_of_other_model_kinds_are_400s_that_say_so(client: opena
     with pytest.raises(openai.BadRequestError) as e:
         await client.moderations.create(input="hello")
     assert e.value.code == "unsupported_endpoint"
-
-
-PROMPTS = ["The capital of France is", "Once upon a time there"]
 
 
 @pytest.fixture(scope="module")
