@@ -90,8 +90,8 @@ class _Batch:
     metadata: AttentionMetadata
     sample_req_idx: list[int]  # batch indices of the requests that sample
     logits_rows: torch.Tensor  # [num_sampled] int64, each one's last token row
-    starts: list[int]  # per request: its first scheduled position (tokens computed before)
-    row_starts: list[int]  # per request: its first row in the flattened batch
+    starts: np.ndarray  # [num_reqs] int64: each one's first scheduled position (computed before)
+    row_starts: np.ndarray  # [num_reqs] int64: each one's first row in the flattened batch
 
 
 class ModelRunner:
@@ -118,6 +118,7 @@ class ModelRunner:
         self.eos_token_id = eos_token_id
         self.vocab_size = model.vocab_size
         self.requests: dict[str, RequestState] = {}
+        self._prompt_logprobs_reqs: set[str] = set()  # requests that asked for prompt_logprobs
         self.sampler = Sampler(seed, self.device)
         self.kv_caches = [
             torch.zeros(num_blocks, 2, block_size, model.num_kv_heads, model.head_dim,
@@ -152,8 +153,11 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
+            self._prompt_logprobs_reqs.discard(req_id)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = self._new_state(new)
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs_reqs.add(new.req_id)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -225,13 +229,15 @@ class ModelRunner:
             self._record(batch, states, out, sampled, logprobs)
         any_logprobs = any(lp is not None for lp in logprobs)
         result = ModelRunnerOutput(batch.req_ids, sampled, logprobs if any_logprobs else [])
-        for i, req_id in enumerate(batch.req_ids):
-            state = self.requests[req_id]
-            if state.sampling_params.prompt_logprobs is not None:
-                entries = prompt_logprobs(self.model, hidden, state, batch.starts[i],
-                                          batch.row_starts[i], batch.metadata.query_lens_cpu[i])
-                if entries:
-                    result.prompt_logprobs[req_id] = (batch.starts[i], entries)
+        if self._prompt_logprobs_reqs:  # most steps have none: no per-request pass
+            for i, req_id in enumerate(batch.req_ids):
+                if req_id in self._prompt_logprobs_reqs:
+                    start = int(batch.starts[i])
+                    entries = prompt_logprobs(self.model, hidden, self.requests[req_id], start,
+                                              int(batch.row_starts[i]),
+                                              batch.metadata.query_lens_cpu[i])
+                    if entries:
+                        result.prompt_logprobs[req_id] = (start, entries)
         return result
 
     def _prepare_batch(self, num_scheduled: dict[str, int]) -> _Batch:
@@ -262,7 +268,7 @@ class ModelRunner:
         logits_rows = torch.tensor([int(cu[i + 1]) - 1 for i in sample_idx], dtype=torch.int64)
         batch = _Batch(req_ids, self._to_device(torch.from_numpy(ids)),
                        self._to_device(torch.from_numpy(pos)), metadata, sample_idx,
-                       logits_rows.to(self.device), computed.tolist(), cu[:-1].tolist())
+                       logits_rows.to(self.device), computed, cu[:-1])
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
