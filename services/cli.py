@@ -271,8 +271,14 @@ def _add_autoscaler(subparsers: Any) -> None:
     add_autoscaler_parser(subparsers)
 
 
+def _add_secrets(subparsers: Any) -> None:
+    from services.secrets import add_secrets_parser
+
+    add_secrets_parser(subparsers)
+
+
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_worker, _add_router,
-                                            _add_up, _add_autoscaler]
+                                            _add_up, _add_autoscaler, _add_secrets]
 
 
 def build_parser() -> argparse.ArgumentParser:
