@@ -9,6 +9,11 @@ themselves behind the same router, for comparison.
 
 Every port is checked before anything starts: one that is taken is a one-line error naming the
 port and the component, and the exit code is 1.
+
+Credentials (docs/security.md): `up` generates the deployment's tokens at start into a private
+directory (services/secrets.py; `--secrets-dir` keeps them somewhere chosen) and gives each
+component its own by `*_FILE` environment variables, never argv; `--no-auth` runs everything
+open (trusted networks only).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,6 +38,7 @@ from services.readiness import (
     worker_alive,
     worker_ready,
 )
+from services.secrets import DeploymentSecrets, ensure_secrets
 from services.supervisor import ChildSpec, FatalChildError, RestartPolicy, Supervisor
 
 
@@ -72,6 +79,12 @@ def add_up_parser(subparsers: Any) -> None:
                    help="prompts with at most this many uncached tokens skip the prefill pool")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="no credentials: the KV store and the workers take calls from anyone who "
+                        "reaches their ports (trusted networks only)")
+    p.add_argument("--secrets-dir", type=Path, default=None,
+                   help="keep the generated credentials here (created 0700; existing ones reused) "
+                        "instead of a private temporary directory removed at exit")
     p.add_argument("--stall-timeout-s", type=float, default=None,
                    help="router: a decode stream silent this long moves to another worker "
                         "(default: the router's)")
@@ -149,18 +162,27 @@ def _ports(args: argparse.Namespace) -> dict[int, str]:
     return ports
 
 
-def _specs(args: argparse.Namespace, folder: str, router_fd: int) -> tuple[list[ChildSpec], ChildSpec]:
+def _no_auth(args: argparse.Namespace) -> list[str]:
+    return ["--no-auth"] if args.no_auth else []
+
+
+def _specs(args: argparse.Namespace, folder: str, router_fd: int,
+           creds: DeploymentSecrets | None) -> tuple[list[ChildSpec], ChildSpec]:
     """The store and workers (in start order), and the router (on the listening socket
-    `router_fd`, which `up` holds: clients connecting while the router restarts wait)."""
+    `router_fd`, which `up` holds: clients connecting while the router restarts wait). Workers
+    inherit the launcher's environment, which holds their credentials (`_use_credentials`);
+    the store and the router get their own."""
     h = args.host
+    store_env = {**os.environ, **creds.store_env()} if creds else None
     store = f"grpc://{h}:{args.kvstore_port}"
     common = _worker_args(args, folder, store)
     specs = []
     if not args.colocated:
         specs.append(ChildSpec("kvstore", "kvstore", cli("kvstore", "--host", h, "--port",
                                                          str(args.kvstore_port), "--capacity",
-                                                         args.kvstore_capacity, "--log-level", "WARNING"),
-                               store_ready(store), target=f"{h}:{args.kvstore_port}",
+                                                         args.kvstore_capacity, "--log-level", "WARNING",
+                                                         *_no_auth(args)),
+                               store_ready(store), target=f"{h}:{args.kvstore_port}", env=store_env,
                                cpus=_frozen(parse_cpus(args.kvstore_cpus)), alive=store_alive(store)))
         for i in range(args.prefill):
             port = args.prefill_port + i
@@ -180,8 +202,10 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int) -> tuple[list[
         router += ["--max-model-len", str(args.max_model_len)]
     if args.stall_timeout_s is not None:
         router += ["--stall-timeout-s", str(args.stall_timeout_s)]
-    # The API key goes by environment, not argv (ps shows argv).
-    env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None
+    # Keys go by environment, not argv (ps shows argv); the router holds no store credential.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_KV_")}
+    if args.api_key:
+        env["PDSERVE_API_KEY"] = args.api_key
     url = f"http://{h}:{args.port}"
     router_spec = ChildSpec("router", "router", cli(*router), router_ready(url), target=f"{h}:{args.port}",
                             env=env, cpus=_frozen(parse_cpus(args.router_cpus)), critical=True,
@@ -193,7 +217,7 @@ def _worker_spec(args: argparse.Namespace, name: str, role: str, port: int, extr
                  cpus: set[int] | None) -> ChildSpec:
     target = f"{args.host}:{port}"
     argv = cli("worker", "--role", role, "--host", args.host, "--port", str(port),
-               *_metrics_args(args, port), *extra)
+               *_metrics_args(args, port), *_no_auth(args), *extra)
     return ChildSpec(name, role, argv, worker_ready(target), target=target, cpus=_frozen(cpus),
                      alive=worker_alive(target))
 
@@ -220,7 +244,11 @@ def run_up(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     sup = Supervisor(RestartPolicy(budget=args.restart_budget, window_s=args.restart_window_s),
                      state_file=args.state_file)
-    specs, router = _specs(args, folder, router_socket.fileno())
+    private = None
+    if not args.no_auth and args.secrets_dir is None:
+        private = tempfile.TemporaryDirectory(prefix="pdserve-secrets-")
+    creds = None if args.no_auth else _use_credentials(Path(private.name) if private else args.secrets_dir)
+    specs, router = _specs(args, folder, router_socket.fileno(), creds)
     scaler: Any = None
     deadline = time.monotonic() + args.startup_timeout_s
     try:
@@ -248,6 +276,17 @@ def run_up(args: argparse.Namespace) -> int:
         # The router first (no new requests), then the workers (they drain), then the store.
         sup.stop_all([["router"], ["prefill", "decode", "colocated"], ["kvstore"]])
         router_socket.close()
+        if private is not None:
+            private.cleanup()
+
+
+def _use_credentials(directory: Path) -> DeploymentSecrets:
+    """Generates (or reuses) the credentials and puts the workers' into this process's
+    environment: the workers it starts, now or later (the autoscaler), inherit them, and its
+    readiness checks present them."""
+    creds = ensure_secrets(directory)
+    os.environ.update(creds.worker_env())
+    return creds
 
 
 def _print_up(args: argparse.Namespace, specs: list[ChildSpec]) -> None:
