@@ -5,9 +5,13 @@
 ARG BASE_IMAGE=debian:bookworm-slim
 FROM ${BASE_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
+# A fixed uid for the redis user, so compose's `secrets` service can hand Redis its password file.
 RUN set -eux; \
+    groupadd --system --gid 999 redis; \
+    useradd --system --uid 999 --gid 999 --home-dir /var/lib/redis --shell /usr/sbin/nologin redis; \
     apt-get update; \
     apt-get install -y --no-install-recommends redis-server; \
+    test "$(id -u redis)" = 999; \
     rm -rf /var/lib/apt/lists/* /var/cache/apt/archives/*.deb; \
     redis-server --version
 USER redis

@@ -8,6 +8,7 @@ docker/build_images.sh)."""
 from __future__ import annotations
 
 import re
+import subprocess
 import threading
 import time
 import urllib.request
@@ -52,6 +53,30 @@ def test_up_publishes_only_on_loopback(compose_stack: ComposeStack) -> None:
     assert "0.0.0.0:" not in ps and "[::]:" not in ps, ps  # nothing published on other interfaces
     health = _get(compose_stack, "/health")
     assert '"prefill":{"healthy":1,"workers":1}' in health.replace(" ", ""), health
+
+
+def test_only_the_router_port_is_published_and_the_backend_is_internal(compose_stack: ComposeStack) -> None:
+    """Docker's own view (inspect), not compose's summary: no container but the router has a
+    host port binding, and redis / the store / the workers sit on an internal network only."""
+    import json
+
+    ids = compose_stack.compose("ps", "-q").stdout.split()
+    info = json.loads(subprocess.run(["docker", "inspect", *ids], capture_output=True, text=True,
+                                     check=True, timeout=60).stdout)
+    published = {}
+    for c in info:
+        service = c["Config"]["Labels"]["com.docker.compose.service"]
+        bindings = {port: b for port, b in (c["HostConfig"].get("PortBindings") or {}).items() if b}
+        published[service] = bindings
+        nets = set(c["NetworkSettings"]["Networks"])
+        if service != "router":
+            assert nets == {f"{compose_stack.project}_backend"}, (service, nets)
+    assert {s for s, b in published.items() if b} == {"router"}, published
+    assert [(b["HostIp"], b["HostPort"]) for b in published["router"]["8000/tcp"]] == [
+        ("127.0.0.1", str(compose_stack.port))]
+    net = json.loads(subprocess.run(["docker", "network", "inspect", f"{compose_stack.project}_backend"],
+                                    capture_output=True, text=True, check=True, timeout=60).stdout)
+    assert net[0]["Internal"] is True, net
 
 
 def test_api_key_is_required(compose_stack: ComposeStack) -> None:
