@@ -78,15 +78,15 @@ def parse_token_file(path: str) -> dict[str, frozenset[str]]:
             if not fields:
                 continue
             if len(fields) != 2:
-                raise ValueError(f"{path}:{number}: expected '<token> <role>[,<role>...]', got "
+                raise ValueError(f"{path} line {number}: expected '<token> <role>[,<role>...]', got "
                                  f"{len(fields)} field(s)")
             token, role_list = fields
             roles = frozenset(r.strip() for r in role_list.split(","))
             unknown = sorted(roles - ROLES)
             if unknown:
-                raise ValueError(f"{path}:{number}: unknown role(s) {unknown}; roles are "
+                raise ValueError(f"{path} line {number}: unknown role(s) {unknown}; roles are "
                                  f"{sorted(ROLES)}")
             if token in tokens:
-                raise ValueError(f"{path}:{number}: this token already appears on an earlier line")
+                raise ValueError(f"{path} line {number}: this token already appears on an earlier line")
             tokens[token] = roles
     return tokens
