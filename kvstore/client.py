@@ -43,6 +43,7 @@ DEFAULT_LOCATION = "grpc://127.0.0.1:50071"
 # (measured on loopback: 8 MB puts ~600 -> ~1,300 MB/s, gets ~1,000 -> ~1,400 MB/s).
 CHANNEL_OPTIONS = [("grpc.http2.lookahead_bytes", 64 * 2**20)]
 SHM_RETRY_S = 10.0  # after the shared-memory path failed, Flight only for this long
+_AUTH_REFUSALS_LOGGED: set[str] = set()  # store locations whose refusal was logged (once each)
 
 
 class KVStoreClientError(Exception):
@@ -89,7 +90,6 @@ class KVStoreClient:
         self.credentials = StoreCredentials.resolve(token, tls_ca, tls_cert, tls_key)
         location = self.credentials.location(location)
         self._headers = self.credentials.headers()
-        self._auth_logged = False
         if streams < 1 or parallel_bytes < 1 or split_put_bytes < 1:
             raise ValueError(f"streams, parallel_bytes and split_put_bytes must be >= 1, got "
                              f"{streams}, {parallel_bytes}, {split_put_bytes}")
@@ -150,8 +150,8 @@ class KVStoreClient:
         quietly on store errors."""
         error = KVStoreAuthError(f"{op}: KV store at {self.location} refused this client: "
                                  f"{_server_message(exc)}")
-        if not self._auth_logged:
-            self._auth_logged = True
+        if self.location not in _AUTH_REFUSALS_LOGGED:  # probes make a client per call
+            _AUTH_REFUSALS_LOGGED.add(self.location)
             logger.error("%s (check PDSERVE_KV_TOKEN and the store's token file)", error)
         return error
 
