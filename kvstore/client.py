@@ -31,6 +31,7 @@ import pyarrow.flight as flight
 
 from kvstore import shm
 from kvstore.backend import KVObject
+from kvstore.connect import StoreCredentials
 from kvstore.wire import SCHEMA, Row, as_buffer, iter_objects, object_batch
 from protos import kvstore_pb2 as pb
 
@@ -42,6 +43,7 @@ DEFAULT_LOCATION = "grpc://127.0.0.1:50071"
 # (measured on loopback: 8 MB puts ~600 -> ~1,300 MB/s, gets ~1,000 -> ~1,400 MB/s).
 CHANNEL_OPTIONS = [("grpc.http2.lookahead_bytes", 64 * 2**20)]
 SHM_RETRY_S = 10.0  # after the shared-memory path failed, Flight only for this long
+_AUTH_REFUSALS_LOGGED: set[str] = set()  # store locations whose refusal was logged (once each)
 
 
 class KVStoreClientError(Exception):
@@ -51,6 +53,11 @@ class KVStoreClientError(Exception):
 class KVStoreRejectedError(KVStoreClientError):
     """The server refused the request itself (bad key, metadata, size...): sending it another
     way would not help."""
+
+
+class KVStoreAuthError(KVStoreRejectedError):
+    """The server refused this client's credential: no or an unknown token (UNAUTHENTICATED),
+    or a token without the role the operation needs (PERMISSION_DENIED)."""
 
 
 @dataclass(frozen=True)
@@ -70,13 +77,19 @@ class StoreStats:
 class KVStoreClient:
     """`timeout_s` bounds every call. With `breaker_s`, a store that was unreachable or timed out
     is not asked again for that long: calls fail at once (KVStoreClientError), so a KV connector
-    facing a dead or frozen store recomputes instead of waiting on every call."""
+    facing a dead or frozen store recomputes instead of waiting on every call.
+    `token` (default $PDSERVE_KV_TOKEN / $PDSERVE_KV_TOKEN_FILE) goes with every call;
+    `tls_ca` / `tls_cert` / `tls_key` (default $PDSERVE_KV_TLS_CA / _CERT / _KEY) serve a
+    grpc+tls:// location (kvstore/connect.py)."""
 
     def __init__(self, location: str = DEFAULT_LOCATION, timeout_s: float = 30.0,
                  streams: int = 4, parallel_bytes: int = 2 * 2**20,
-                 split_put_bytes: int = 16 * 2**20, use_shm: bool = True, breaker_s: float = 0.0) -> None:
-        if "://" not in location:
-            location = f"grpc://{location}"
+                 split_put_bytes: int = 16 * 2**20, use_shm: bool = True, breaker_s: float = 0.0,
+                 *, token: str | None = None, tls_ca: str | None = None,
+                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+        self.credentials = StoreCredentials.resolve(token, tls_ca, tls_cert, tls_key)
+        location = self.credentials.location(location)
+        self._headers = self.credentials.headers()
         if streams < 1 or parallel_bytes < 1 or split_put_bytes < 1:
             raise ValueError(f"streams, parallel_bytes and split_put_bytes must be >= 1, got "
                              f"{streams}, {parallel_bytes}, {split_put_bytes}")
@@ -100,11 +113,11 @@ class KVStoreClient:
     # --- connection -------------------------------------------------------------------
     def _conn(self) -> flight.FlightClient:
         if self._client is None:
-            self._client = flight.FlightClient(self.location, generic_options=CHANNEL_OPTIONS)
+            self._client = self.credentials.connect(self.location, CHANNEL_OPTIONS)
         return self._client
 
     def _options(self, timeout_s: float | None = None) -> flight.FlightCallOptions:
-        return flight.FlightCallOptions(timeout=timeout_s or self.timeout_s)
+        return flight.FlightCallOptions(timeout=timeout_s or self.timeout_s, headers=self._headers)
 
     def _call(self, op: str, fn: Callable[[flight.FlightClient], T]) -> T:
         """Runs `fn`; on a broken connection reconnects once and retries."""
@@ -125,9 +138,22 @@ class KVStoreClient:
                 raise self._trip(f"{op}: timed out after {self.timeout_s} s") from exc
             except pa.ArrowInvalid as exc:
                 raise KVStoreRejectedError(f"{op}: {_server_message(exc)}") from exc
+            except (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError) as exc:
+                raise self._auth_refused(op, exc) from exc
             except (flight.FlightServerError, flight.FlightInternalError) as exc:
                 raise KVStoreClientError(f"{op}: {_server_message(exc)}") from exc
         raise AssertionError("unreachable")
+
+    def _auth_refused(self, op: str, exc: Exception) -> KVStoreAuthError:
+        """Not a breaker trip (the store is up): every call fails at once with the server's
+        reason, which is logged at error level the first time, since a connector recomputes
+        quietly on store errors."""
+        error = KVStoreAuthError(f"{op}: KV store at {self.location} refused this client: "
+                                 f"{_server_message(exc)}")
+        if self.location not in _AUTH_REFUSALS_LOGGED:  # probes make a client per call
+            _AUTH_REFUSALS_LOGGED.add(self.location)
+            logger.error("%s (check PDSERVE_KV_TOKEN and the store's token file)", error)
+        return error
 
     def _trip(self, message: str) -> KVStoreClientError:
         if self.breaker_s > 0:
@@ -254,7 +280,7 @@ class KVStoreClient:
         better than many streams on one channel)."""
         with self._pool_lock:
             while len(self._pool) <= i:
-                self._pool.append(flight.FlightClient(self.location, generic_options=CHANNEL_OPTIONS))
+                self._pool.append(self.credentials.connect(self.location, CHANNEL_OPTIONS))
             return self._pool[i]
 
     def _parallel(self, op: str, tasks: list[Callable[[flight.FlightClient], T]]) -> list[T]:

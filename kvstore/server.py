@@ -20,8 +20,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from kvstore.assembler import PartAssembler
+from kvstore.auth import MIDDLEWARE_KEY, TokenAuthFactory, check_role
 from kvstore.backend import Backend, KVObject, KVStoreError
 from kvstore.chunked import ChunkedPayload
+from kvstore.credentials import TLSFiles
 from kvstore.metrics import StoreMetrics
 from kvstore.shm import ShmArea, ShmFile
 from kvstore.validation import check_key, check_metadata
@@ -36,12 +38,18 @@ MAX_KEYS_PER_CALL = 100_000
 class KVStoreServer(flight.FlightServerBase):
     """`KVStoreServer(backend, location="grpc://127.0.0.1:0")`; `.port` is the bound port.
     `validate` checks keys are LMCache key strings and metadata is LMCache `RemoteMetadata`
-    whose length matches the payload (on by default; off for opaque objects)."""
+    whose length matches the payload (on by default; off for opaque objects).
+    `tokens` (token -> roles, kvstore/auth.py) makes every call present a token; None = open.
+    `tls` (cert + key, and `ca` for mutual TLS) serves a `grpc+tls://` location."""
 
     def __init__(self, backend: Backend, location: str = "grpc://127.0.0.1:0",
                  max_object_bytes: int | None = None, validate: bool = True,
-                 default_ttl_s: float | None = None, shm_root: str | None = None) -> None:
-        super().__init__(location)
+                 default_ttl_s: float | None = None, shm_root: str | None = None,
+                 tokens: dict[str, frozenset[str]] | None = None,
+                 tls: TLSFiles | None = None) -> None:
+        super().__init__(location, middleware={MIDDLEWARE_KEY: TokenAuthFactory(tokens)}
+                         if tokens is not None else None, **_tls_options(tls))
+        self.auth_enabled = tokens is not None
         self.instance_id = os.environ.get("PDSERVE_INSTANCE_ID") or uuid.uuid4().hex
         self.backend = backend
         self.max_object_bytes = max_object_bytes
@@ -68,6 +76,7 @@ class KVStoreServer(flight.FlightServerBase):
     # --- data plane -------------------------------------------------------------------
     def do_put(self, context: Any, descriptor: flight.FlightDescriptor,
                reader: flight.MetadataRecordBatchReader, writer: Any) -> None:
+        check_role(context, "put", self.auth_enabled)  # before a single byte is read
         start = time.perf_counter()
         try:
             ttl = self._put_ttl(descriptor)
@@ -122,6 +131,7 @@ class KVStoreServer(flight.FlightServerBase):
                                   f"{self.max_object_bytes}")
 
     def do_get(self, context: Any, ticket: flight.Ticket) -> flight.FlightDataStream:
+        check_role(context, "get", self.auth_enabled)
         start = time.perf_counter()
         req = _parse(pb.GetRequest, ticket.ticket, "get")
         keys = list(req.keys)
@@ -135,6 +145,7 @@ class KVStoreServer(flight.FlightServerBase):
 
     # --- control plane ----------------------------------------------------------------
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
+        check_role(context, "list_actions", self.auth_enabled)
         return [(name, f"see protos/kvstore.proto: {name}") for name in self._actions]
 
     def do_action(self, context: Any, action: flight.Action) -> Iterator[bytes]:
@@ -142,6 +153,7 @@ class KVStoreServer(flight.FlightServerBase):
         if handler is None:
             self.metrics.errors.labels("action").inc()
             raise pa.ArrowInvalid(f"unknown action {action.type!r}; known: {sorted(self._actions)}")
+        check_role(context, action.type, self.auth_enabled)
         body = action.body.to_pybytes() if action.body is not None else b""
         try:
             yield handler(body)
@@ -263,6 +275,24 @@ class KVStoreServer(flight.FlightServerBase):
         self.metrics.get_bytes.inc(nbytes)
         self.metrics.get_latency.observe(time.perf_counter() - start)
         return out.SerializeToString()
+
+
+def _tls_options(tls: TLSFiles | None) -> dict[str, Any]:
+    """FlightServerBase's TLS arguments: the server's certificate and key, and with a client
+    CA, mutual TLS (clients must present a certificate that CA signed)."""
+    if tls is None:
+        return {}
+    if tls.cert is None or tls.key is None:
+        raise ValueError("TLS: the server needs --tls-cert and --tls-key")
+    options: dict[str, Any] = {"tls_certificates": [(_read_pem(tls.cert), _read_pem(tls.key))]}
+    if tls.ca is not None:
+        options.update(verify_client=True, root_certificates=_read_pem(tls.ca))
+    return options
+
+
+def _read_pem(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _batches(key: str, obj: KVObject | None, offset: int, length: int) -> list[pa.RecordBatch]:

@@ -96,12 +96,13 @@ class ShmArea:
 
     def __init__(self, root: str) -> None:
         _remove_dead_areas(root)
+        # mkdtemp makes the directory 0700: only this user's processes may write payloads into
+        # it, read them or the token; its files are 0600.
         self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=root)
+        os.chmod(self.dir, 0o700)
         self.token = secrets.token_hex(16)
-        with open(os.path.join(self.dir, OWNER_FILE), "w") as f:
-            f.write(f"{socket.gethostname()} {os.getpid()}")
-        with open(os.path.join(self.dir, TOKEN_FILE), "w") as f:  # last: clients check it
-            f.write(self.token)
+        _write_private(os.path.join(self.dir, OWNER_FILE), f"{socket.gethostname()} {os.getpid()}")
+        _write_private(os.path.join(self.dir, TOKEN_FILE), self.token)  # last: clients check it
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._last_sweep = time.monotonic()
@@ -126,6 +127,8 @@ class ShmArea:
         with self._lock:
             dst = os.path.join(self.dir, f"obj-{next(self._ids)}")
         os.rename(src, dst)
+        with contextlib.suppress(OSError):  # whatever mode the client gave it: private now
+            os.chmod(dst, 0o600)
         return ShmFile(dst, size)
 
     def discard(self, name: str) -> None:
@@ -151,6 +154,12 @@ class ShmArea:
 
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _write_private(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _remove_dead_areas(root: str) -> None:

@@ -96,13 +96,16 @@ def router_alive(url: str, timeout_s: float = 2.0) -> AliveCheck:
 
 
 def store_alive(url: str, timeout_s: float = 2.0) -> AliveCheck:
-    """The KV store answers its health action (whatever its backend says)."""
+    """The KV store answers its health action (whatever its backend says). A store that
+    refuses this process's token answered too: alive (the client logs the refusal)."""
     def alive() -> bool:
-        from kvstore.client import KVStoreClient, KVStoreClientError
+        from kvstore.client import KVStoreAuthError, KVStoreClient, KVStoreClientError
 
         client = KVStoreClient(url, timeout_s=timeout_s, use_shm=False)
         try:
             client.health()
+            return True
+        except KVStoreAuthError:
             return True
         except KVStoreClientError:
             return False
