@@ -37,6 +37,7 @@ from kvstore.backend import (
     ObjectTooLargeError,
 )
 from kvstore.chunked import contiguous
+from kvstore.credentials import read_secret
 
 META_SUFFIX = "metadata"
 DATA_SUFFIX = "kv_bytes"
@@ -50,11 +51,17 @@ class RedisBackend(Backend):
 
     def __init__(self, url: str | None = None, *, host: str = "127.0.0.1", port: int = 6379,
                  db: int = 0, default_ttl_s: float | None = None, socket_timeout_s: float = 5.0,
-                 max_object_bytes: int = REDIS_MAX_BULK, scan_limit: int = 100_000) -> None:
+                 max_object_bytes: int = REDIS_MAX_BULK, scan_limit: int = 100_000,
+                 password: str | None = None) -> None:
         if default_ttl_s is not None and default_ttl_s <= 0:
             raise ValueError(f"default_ttl_s must be positive, got {default_ttl_s}")
         options: dict[str, Any] = dict(socket_timeout=socket_timeout_s,
                                        socket_connect_timeout=socket_timeout_s)
+        # Redis's AUTH password: the argument, else $PDSERVE_REDIS_PASSWORD(_FILE), so it never
+        # has to sit in a URL on a command line; a password inside the URL still works.
+        password = password or read_secret("PDSERVE_REDIS_PASSWORD")
+        if password:
+            options["password"] = password
         if url is not None:
             self._redis = redis.Redis.from_url(url, **options)
         else:

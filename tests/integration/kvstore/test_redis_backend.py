@@ -7,11 +7,12 @@ import struct
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
 
-from kvstore.backend import CapacityError, InvalidRequestError, KVObject
+from kvstore.backend import CapacityError, InvalidRequestError, KVObject, KVStoreError
 from kvstore.backends import RedisBackend
 
 
@@ -184,3 +185,23 @@ def test_empty_key_and_bad_ttl_are_rejected(backend: RedisBackend) -> None:
         backend.put("", KVObject(b"m", b"d"))
     with pytest.raises(InvalidRequestError):
         backend.lease([lm_key(1)], ttl_s=0)
+
+
+def test_password_from_a_file_never_in_the_url(redis_url: str, raw: redis.Redis, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Redis with requirepass (compose runs one): the backend authenticates with the password
+    from $PDSERVE_REDIS_PASSWORD_FILE; without it every call is refused."""
+    raw.config_set("requirepass", "s3cret-pw")
+    try:
+        with pytest.raises(KVStoreError, match="authenticated"):
+            RedisBackend(redis_url).exists(["k"])
+        (tmp_path / "pw").write_text("s3cret-pw\n")
+        monkeypatch.setenv("PDSERVE_REDIS_PASSWORD_FILE", str(tmp_path / "pw"))
+        backend = RedisBackend(redis_url)
+        backend.put(lm_key(0), KVObject(b"m", b"payload"))
+        assert backend.exists([lm_key(0)]) == [True]
+        backend.close()
+    finally:
+        authed = redis.Redis.from_url(redis_url, password="s3cret-pw")
+        authed.config_set("requirepass", "")
+        authed.close()
