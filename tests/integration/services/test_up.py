@@ -3,6 +3,8 @@ the openai client gets the offline engine's greedy text; Ctrl-C stops every proc
 
 from __future__ import annotations
 
+import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,9 +20,50 @@ from services.procs import free_ports, stop_process
 ROOT = Path(__file__).resolve().parents[3]
 
 
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo += children.get(out[-1], [])
+    return out
+
+
+def _argv_of(pid: int) -> str:
+    try:
+        return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def _check_credentials(up_pid: int, secrets_dir: Path, api_key: str, store_port: int) -> None:
+    """No key or token in any argv of `up`'s processes; owner-only files; the store refuses a
+    caller without a token."""
+    from kvstore.client import KVStoreAuthError, KVStoreClient
+
+    names = ("kv-admin-token", "kv-worker-token", "worker-token", "kv-integrity-key", "redis-password")
+    tokens = [api_key] + [(secrets_dir / name).read_text().strip() for name in names]
+    assert all(len(t) >= 24 for t in tokens)
+    pids = _descendants(up_pid)
+    assert len(pids) >= 5, pids  # up, store, prefill, decode, router (+ engine cores)
+    for pid in pids:
+        argv = _argv_of(pid)
+        assert not any(t in argv for t in tokens), f"a credential in the argv of {pid}: {argv[:80]}"
+    assert secrets_dir.stat().st_mode & 0o077 == 0
+    assert all(f.stat().st_mode & 0o077 == 0 for f in secrets_dir.iterdir())
+    with pytest.raises(KVStoreAuthError):
+        KVStoreClient(f"grpc://127.0.0.1:{store_port}", token="", use_shm=False).stats()
+
+
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
 def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[str], Path],
-                                                      colocated: bool) -> None:
+                                                      colocated: bool, tmp_path: Path) -> None:
     from openai import OpenAI
 
     from engine.llm import LLM
@@ -38,7 +81,10 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
             "--startup-timeout-s", "180", "--metrics-port-offset", str(offset)]
     if colocated:
         argv.append("--colocated")
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    api_key = secrets.token_hex(12)
+    argv += ["--secrets-dir", str(tmp_path / "secrets")]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PDSERVE_API_KEY": api_key})
     try:
         assert proc.stdout is not None
         lines = []
@@ -47,7 +93,9 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
             if "pdserve is up" in lines[-1] or not lines[-1]:
                 break
         assert "pdserve is up" in lines[-1], lines
-        client = OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key="x", timeout=60)
+        if not colocated:
+            _check_credentials(proc.pid, tmp_path / "secrets", api_key, store)
+        client = OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key=api_key, timeout=60)
         got = client.completions.create(model=str(model), prompt="The quick brown fox",
                                         max_tokens=12, temperature=0)
         want = LLM(model=str(model), num_threads=1, kv_cache_gib=0.05).generate(
