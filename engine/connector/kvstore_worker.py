@@ -115,6 +115,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self.chunk_size = chunk_size
         # kvstore.integrity.load_key() (the factory passes it); None: plain BLAKE3 checksums
         self.integrity_key = integrity_key
+        self.integrity_checks = True  # False: no checksums put, none verified (benchmarks only)
         self.save_wait_s = save_wait_s  # None: wait for every save
         # False: hold a step's objects and send them all after the last layer (whole-request
         # transfer, for comparison); True: send each layer while the next ones compute.
@@ -182,7 +183,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                 # Hashed here, off the forward's thread (blake3 lets go of the GIL).
                 key = self.integrity_key
                 self._send_client.put([(k, meta, data, integrity.checksum(k, meta, data, key))
-                                       for k, meta, data in items])
+                                       for k, meta, data in items] if self.integrity_checks else items)
             except Exception as exc:
                 failed = True
                 self.send_errors += 1
@@ -281,7 +282,8 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
     def _check_integrity(self, key: str, obj: Any) -> str | None:
         """None when the object's checksum verifies; else why not (counted and logged)."""
-        if integrity.verify(key, obj.metadata, obj.data, obj.checksum, self.integrity_key):
+        if not self.integrity_checks or integrity.verify(key, obj.metadata, obj.data, obj.checksum,
+                                                         self.integrity_key):
             return None
         why = "has a checksum that does not match" if obj.checksum else "has no checksum"
         logger.warning("KV object %s %s (integrity key %s): treated as missing, its tokens are "
