@@ -42,16 +42,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", default="256,1024,2048")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--integrity", choices=["off", "on"], default="on",
+                   help="on: keyed BLAKE3 checksums put by the producer and verified by the consumer "
+                        "(as deployed with PDSERVE_KV_INTEGRITY_KEY); off: none")
     return p.parse_args(argv)
 
 
 def engine(folder: Path, url: str, role: str, stream: bool, threads: int,
-           load_mode: str = "async") -> Any:
+           load_mode: str = "async", integrity: bool = True) -> Any:
     from engine.llm import LLM
+    from kvstore.integrity import derive_key
 
-    return LLM(model=str(folder), num_threads=threads, kv_cache_gib=0.5, max_num_batched_tokens=2048,
-               kv_connector="kvstore", kv_role=role, kv_store_url=url, kv_stream_layers=stream,
-               kv_load_mode=load_mode, enable_prefix_caching=False)
+    llm = LLM(model=str(folder), num_threads=threads, kv_cache_gib=0.5, max_num_batched_tokens=2048,
+              kv_connector="kvstore", kv_role=role, kv_store_url=url, kv_stream_layers=stream,
+              kv_load_mode=load_mode, enable_prefix_caching=False)
+    worker: Any = llm.engine_core.runner.connector
+    worker.integrity_checks = integrity
+    worker.integrity_key = derive_key("bench") if integrity else None
+    return llm
 
 
 def one(producer: Any, consumer: Any, prompt: list[int]) -> dict[str, float]:
@@ -90,8 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         modes = [(True, "async", "per-layer streaming"), (False, "async", "whole request"),
                  (True, "layerwise", "streaming + layer-wise load")]
         for stream, load_mode, label in modes:
-            producer = engine(folder, store.url, "kv_producer", stream, args.threads)
-            consumer = engine(folder, store.url, "kv_consumer", stream, args.threads, load_mode)
+            on = args.integrity == "on"
+            producer = engine(folder, store.url, "kv_producer", stream, args.threads, integrity=on)
+            consumer = engine(folder, store.url, "kv_consumer", stream, args.threads, load_mode, on)
             one(producer, consumer, random_token_ids_seeded(64, 999, vocab))  # warm-up
             for n in lengths:
                 runs = [one(producer, consumer, random_token_ids_seeded(n, 1000 * r + n + stream, vocab))
@@ -107,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             producer.engine_core.shutdown()
             consumer.engine_core.shutdown()
     print(f"disaggregated TTFT split: model {folder.name}, fp32, {args.threads} threads, kvstore "
-          f"process on loopback; median of {args.repeats}; target (tail + load) / compute <= 0.10")
+          f"process on loopback; median of {args.repeats}; KV checksums {args.integrity}; "
+          f"target (tail + load) / compute <= 0.10")
     print(markdown_table(["transfer", "prompt tokens", "prefill compute ms", "save tail ms",
                           "load ms", "first decode step ms", "TTFT ms", "(tail+load)/compute",
                           "target"], rows))

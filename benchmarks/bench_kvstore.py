@@ -46,6 +46,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-samples", type=int, default=100)
     p.add_argument("--sizes-mb", default="1,8,64")
     p.add_argument("--skip-redis", action="store_true")
+    p.add_argument("--integrity", choices=["off", "on"], default="off",
+                   help="on: pdserve puts carry keyed BLAKE3 checksums and gets verify them, as "
+                        "the KV connector does (kvstore/integrity.py)")
     return p.parse_args(argv)
 
 
@@ -67,9 +70,13 @@ class PdserveStore:
 
     name = "pdserve (Flight, memory)"
 
-    def __init__(self) -> None:
+    def __init__(self, integrity: bool = False) -> None:
         from kvstore.client import KVStoreClient
+        from kvstore.integrity import derive_key
 
+        self.key = derive_key("bench") if integrity else None
+        if integrity:
+            self.name = "pdserve (Flight, memory, checksums)"
         port = free_port()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "kvstore", "--capacity", "6GiB", "--port",
@@ -79,10 +86,22 @@ class PdserveStore:
         self.client = KVStoreClient(f"grpc://127.0.0.1:{port}", timeout_s=120)
 
     def put(self, items: list[tuple[str, bytes, np.ndarray]]) -> None:
-        self.client.put(items)
+        from kvstore.integrity import checksum
+
+        if self.key is None:
+            self.client.put(items)
+            return
+        self.client.put([(k, meta, data, checksum(k, meta, data, self.key)) for k, meta, data in items])
 
     def get(self, keys: list[str]) -> int:
-        return sum(len(o.data) for o in self.client.get(keys) if o is not None)
+        from kvstore.integrity import verify
+
+        objs = self.client.get(keys)
+        if self.key is not None:
+            for k, o in zip(keys, objs, strict=True):
+                if o is not None and not verify(k, o.metadata, o.data, o.checksum, self.key):
+                    raise RuntimeError(f"{k}: checksum does not verify")
+        return sum(len(o.data) for o in objs if o is not None)
 
     def close(self) -> None:
         self.client.close()
@@ -260,7 +279,7 @@ def run_all(systems: list[Any], args: argparse.Namespace, rng: np.random.Generat
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(0)
-    makers: list[Callable[[], Any]] = [PdserveStore, PlainGrpc]
+    makers: list[Callable[[], Any]] = [partial(PdserveStore, args.integrity == "on"), PlainGrpc]
     if not args.skip_redis:
         makers.insert(1, RawRedis)
     systems: list[Any] = []

@@ -25,6 +25,7 @@ from kvstore.chunked import ChunkedPayload
 class _Pending:
     total: int
     metadata: bytes
+    checksum: bytes  # as the first part carried it (every part carries the object's)
     deadline: float
     received: int = 0
     parts: dict[int, pa.Buffer] = field(default_factory=dict)  # offset -> bytes
@@ -44,9 +45,10 @@ class PartAssembler:
         with self._lock:
             return sum(p.total for p in self._pending.values())
 
-    def add(self, key: str, metadata: bytes, offset: int, total: int,
-            data: pa.Buffer) -> tuple[bytes, ChunkedPayload] | None:
-        """Places one part; returns (metadata, whole payload) once the object is complete."""
+    def add(self, key: str, metadata: bytes, offset: int, total: int, data: pa.Buffer,
+            checksum: bytes = b"") -> tuple[bytes, ChunkedPayload, bytes] | None:
+        """Places one part; returns (metadata, whole payload, checksum) once the object is
+        complete."""
         n = data.size
         if total <= 0 or offset < 0 or offset + n > total or n == 0:
             raise InvalidRequestError(f"put {key!r}: part [{offset}, {offset + n}) does not fit an "
@@ -61,7 +63,7 @@ class PartAssembler:
                 if held + total > self.max_pending_bytes:
                     raise CapacityError(f"put {key!r}: {held} bytes of unfinished parallel puts "
                                         f"already held; {total} more exceed {self.max_pending_bytes}")
-                pending = _Pending(total, metadata, now + self.timeout_s)
+                pending = _Pending(total, metadata, checksum, now + self.timeout_s)
                 self._pending[key] = pending
             if any(offset < start + part.size and start < offset + n
                    for start, part in pending.parts.items()):
@@ -73,4 +75,5 @@ class PartAssembler:
             if pending.received < total:
                 return None
             del self._pending[key]
-        return pending.metadata, ChunkedPayload([pending.parts[o] for o in sorted(pending.parts)])
+        return (pending.metadata, ChunkedPayload([pending.parts[o] for o in sorted(pending.parts)]),
+                pending.checksum)

@@ -1,8 +1,9 @@
 """The storage interface every KV store backend implements (memory, redis), and its errors.
 
 An object is one LMCache-style entry: a small metadata header (`RemoteMetadata` bytes, or
-whatever the writer put there; the store does not interpret it) and a payload (the raw KV
-bytes). Keys are strings (LMCache `CacheEngineKey` / `LayerCacheEngineKey` strings for KV data).
+whatever the writer put there; the store does not interpret it), a payload (the raw KV
+bytes) and the producer's checksum of them (opaque to the store; kvstore/integrity.py).
+Keys are strings (LMCache `CacheEngineKey` / `LayerCacheEngineKey` strings for KV data).
 
 Contract, for every backend:
 - `put` is atomic: a reader sees either no object or the complete new one, never a part.
@@ -45,10 +46,13 @@ class InvalidRequestError(KVStoreError):
 class KVObject:
     metadata: bytes
     data: Buffer  # bytes or pyarrow.Buffer; never copied by the memory backend
+    # The producer's keyed checksum (kvstore/integrity.py), kept and returned as is; b"" = none
+    # (LMCache clients send none). The store cannot check it: it does not hold the key.
+    checksum: bytes = b""
 
     @property
     def nbytes(self) -> int:
-        return len(self.metadata) + len(self.data)
+        return len(self.metadata) + len(self.data) + len(self.checksum)
 
 
 @dataclass(frozen=True)

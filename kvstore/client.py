@@ -37,6 +37,8 @@ from protos import kvstore_pb2 as pb
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# (key, metadata, payload) or (key, metadata, payload, checksum); see KVStoreClient.put
+PutItem = tuple[str, bytes, Any] | tuple[str, bytes, Any, bytes]
 
 DEFAULT_LOCATION = "grpc://127.0.0.1:50071"
 # gRPC channel options: a 64 MiB HTTP/2 lookahead lets one stream keep a large object in flight
@@ -220,14 +222,13 @@ class KVStoreClient:
         self._shm_dir, self._shm_checked = None, False
         self._shm_retry_at = time.monotonic() + SHM_RETRY_S
 
-    def _shm_put(self, directory: str, items: Sequence[tuple[str, bytes, Any]],
-                 ttl_s: float | None) -> bool:
+    def _shm_put(self, directory: str, items: Sequence[PutItem], ttl_s: float | None) -> bool:
         req = pb.ShmPutRequest(ttl_s=ttl_s or 0.0)
         try:
-            for key, meta, data in items:
+            for key, meta, data, checksum in _put_items(items):
                 buf = as_buffer(data)
                 req.objects.add(key=key, metadata=meta, file=shm.write_file(directory, buf),
-                                size=buf.size)
+                                size=buf.size, checksum=checksum)
             self._action("shm_put", req, pb.CountResponse)
         except BaseException:
             for obj in req.objects:  # the server deletes what it did not adopt; in case it
@@ -246,10 +247,10 @@ class KVStoreClient:
         return list(resp.objects)
 
     def _shm_get(self, directory: str, keys: Sequence[str], outs: Sequence[Any] | None = None
-                 ) -> list[tuple[bytes, Any] | None]:
-        """Per key (metadata, payload array) or None; objects outside shared memory (or
-        dropped since the server named their file) come over Flight."""
-        out: list[tuple[bytes, Any] | None] = []
+                 ) -> list[tuple[bytes, Any, bytes] | None]:
+        """Per key (metadata, payload array, checksum) or None; objects outside shared memory
+        (or dropped since the server named their file) come over Flight."""
+        out: list[tuple[bytes, Any, bytes] | None] = []
         rest: list[int] = []
         for i, (key, obj) in enumerate(zip(keys, self._shm_locate(keys), strict=True)):
             out.append(None)
@@ -260,7 +261,8 @@ class KVStoreClient:
                 continue
             dst = None if outs is None else _out_bytes(key, outs[i], obj.size)
             try:
-                out[i] = (obj.metadata, shm.read_file(directory, obj.file, obj.size, dst))
+                out[i] = (obj.metadata, shm.read_file(directory, obj.file, obj.size, dst),
+                          obj.checksum)
             except FileNotFoundError:
                 _check_dir(directory)
                 rest.append(i)
@@ -271,7 +273,7 @@ class KVStoreClient:
                 meta, total, pieces = fetched
                 dst = (np.empty(total, dtype=np.uint8) if outs is None
                        else _out_bytes(keys[i], outs[i], total))
-                out[i] = (meta, _copy_pieces(pieces, dst))
+                out[i] = (meta, _copy_pieces(pieces, dst), pieces[0].checksum)
         return out
 
     # --- data plane -------------------------------------------------------------------
@@ -292,8 +294,10 @@ class KVStoreClient:
                 for i, t in enumerate(tasks)]
         return [f.result() for f in futs]
 
-    def put(self, items: Sequence[tuple[str, bytes, Any]], ttl_s: float | None = None) -> None:
-        """Stores every (key, metadata, payload); payloads are not copied. Objects of at least
+    def put(self, items: Sequence[PutItem], ttl_s: float | None = None) -> None:
+        """Stores every (key, metadata, payload) or (key, metadata, payload, checksum) (the
+        producer's checksum, kvstore/integrity.py; the store keeps it and returns it with the
+        object, never checks it); payloads are not copied. Objects of at least
         `split_put_bytes` are cut into parts sent over `streams` parallel streams (the server
         keeps the parts as received, without copying them together; bench_kvstore on loopback:
         8 MB puts ~0.9 GB/s in parts vs ~1.15 GB/s whole, 64 MB ~1.8 vs ~1.1 GB/s); the server stores
@@ -306,15 +310,16 @@ class KVStoreClient:
         descriptor = flight.FlightDescriptor.for_command(command)
         lanes: list[list[pa.RecordBatch]] = [[] for _ in range(self.streams)]
         small: list[pa.RecordBatch] = []
-        for key, meta, data in items:
+        for key, meta, data, checksum in _put_items(items):
             buf = as_buffer(data)
             if buf.size < self.split_put_bytes or self.streams == 1:
-                small.append(object_batch(key, meta, buf))
+                small.append(object_batch(key, meta, buf, checksum=checksum))
                 continue
             step = -(-buf.size // self.streams)
             for lane, off in enumerate(range(0, buf.size, step)):
                 part = buf.slice(off, min(step, buf.size - off))
-                lanes[lane].append(object_batch(key, meta, part, offset=off, total=buf.size))
+                lanes[lane].append(object_batch(key, meta, part, offset=off, total=buf.size,
+                                                checksum=checksum))
         if small:
             lanes[0] = small + lanes[0]
 
@@ -371,12 +376,13 @@ class KVStoreClient:
         return out
 
     def get(self, keys: Sequence[str]) -> list[KVObject | None]:
-        """The objects (payloads as pyarrow Buffers), None where a key is absent."""
+        """The objects (payloads as pyarrow Buffers, with their checksums), None where a key is
+        absent."""
         if not keys:
             return []
         got = self._via_shm("get", lambda d: self._shm_get(d, keys))
         if got is not None:
-            return [None if g is None else KVObject(g[0], pa.py_buffer(g[1])) for g in got]
+            return [None if g is None else KVObject(g[0], pa.py_buffer(g[1]), g[2]) for g in got]
         out: list[KVObject | None] = []
         for fetched in self._fetch(keys):
             if fetched is None:
@@ -384,11 +390,11 @@ class KVStoreClient:
                 continue
             meta, total, pieces = fetched
             if len(pieces) == 1:
-                out.append(KVObject(meta, pieces[0].data))
+                out.append(KVObject(meta, pieces[0].data, pieces[0].checksum))
                 continue
             buf = pa.allocate_buffer(total)  # Arrow's pool recycles pages: no page faults
             _copy_pieces(pieces, np.frombuffer(buf, dtype=np.uint8))
-            out.append(KVObject(meta, buf))
+            out.append(KVObject(meta, buf, pieces[0].checksum))
         return out
 
     def get_stream(self, keys: Sequence[str], batch: int = 8
@@ -417,24 +423,32 @@ class KVStoreClient:
                     if not os.path.isdir(directory):  # the server restarted: ask it again
                         self._shm_failed("get", FileNotFoundError(directory))
                 else:
-                    yield i, KVObject(obj.metadata, pa.py_buffer(data))
+                    yield i, KVObject(obj.metadata, pa.py_buffer(data), obj.checksum)
                     continue
             yield i, self.get([key])[0]
 
-    def get_into(self, keys: Sequence[str], outs: Sequence[Any]) -> list[bytes | None]:
+    def get_into(self, keys: Sequence[str], outs: Sequence[Any],
+                 checksums: list[bytes] | None = None) -> list[bytes | None]:
         """Copies each found payload into `outs[i]` (a writable numpy array or anything
         `np.asarray` views without copying, e.g. `tensor.numpy()`), which must have exactly the
         payload's size; received bytes are copied once, straight into place. Returns each
-        object's metadata, None where the key is absent."""
+        object's metadata, None where the key is absent. A `checksums` list given is filled
+        with each object's checksum (b"" where absent or none)."""
         if len(keys) != len(outs):
             raise ValueError(f"get_into: {len(keys)} keys but {len(outs)} output buffers")
+        if checksums is not None:
+            checksums.clear()
         if not keys:
             return []
         got = self._via_shm("get", lambda d: self._shm_get(d, keys, outs))
         if got is not None:
+            if checksums is not None:
+                checksums.extend(b"" if g is None else g[2] for g in got)
             return [None if g is None else g[0] for g in got]
         metas: list[bytes | None] = []
         for key, fetched, out in zip(keys, self._fetch(keys), outs, strict=True):
+            if checksums is not None:
+                checksums.append(b"" if fetched is None else fetched[2][0].checksum)
             if fetched is None:
                 metas.append(None)
                 continue
@@ -504,6 +518,16 @@ class KVStoreClient:
             return str(results[0].body.to_pybytes().decode())
 
         return self._call("metrics", run)
+
+
+def _put_items(items: Sequence[PutItem]) -> Iterator[tuple[str, bytes, Any, bytes]]:
+    """Every item as (key, metadata, payload, checksum); b"" for an item without one."""
+    for item in items:
+        if len(item) == 4:
+            yield item
+        else:
+            key, meta, data = item[:3]
+            yield key, meta, data, b""
 
 
 def _copy_pieces(pieces: list[Row], dst: np.ndarray) -> np.ndarray:

@@ -4,7 +4,8 @@ An LMCache engine configured with `remote_url: lm://host:port` (or our `LMClient
 exactly as to `lmcache_server`. One thread per connection, many requests per connection, served
 in order. A PUT is stored as `KVObject(metadata=header.pack(), data=payload)`, its header being
 a one-group `kvstore.lmcache_format.RemoteMetadata`: the same object LMCache's Redis layout and
-our Flight service hold.
+our Flight service hold. LMCache clients send no checksum (kvstore/integrity.py), so such an
+object has none; a GET answers LMCache's bytes only, whatever checksum the object carries.
 
 Differences from `lmcache_server`, all on inputs it mishandles:
 - a client that disconnects (or stalls past `io_timeout_s`) mid-message stores nothing;

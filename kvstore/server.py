@@ -26,7 +26,7 @@ from kvstore.chunked import ChunkedPayload
 from kvstore.credentials import TLSFiles
 from kvstore.metrics import StoreMetrics
 from kvstore.shm import ShmArea, ShmFile
-from kvstore.validation import check_key, check_metadata
+from kvstore.validation import check_checksum, check_key, check_metadata
 from kvstore.wire import SCHEMA, as_buffer, iter_objects, object_batch
 from protos import kvstore_pb2 as pb
 
@@ -88,14 +88,16 @@ class KVStoreServer(flight.FlightServerBase):
                     continue
                 for row in iter_objects(batch):
                     if row.is_whole:
-                        self._store(row.key, row.metadata, row.data, ttl)
+                        self._store(row.key, row.metadata, row.data, ttl, row.checksum)
                         continue
                     if self.validate:
                         check_key(row.key)
+                    check_checksum(row.key, row.checksum)
                     self._check_size(row.key, len(row.metadata) + row.total)
-                    done = self.assembler.add(row.key, row.metadata, row.offset, row.total, row.data)
+                    done = self.assembler.add(row.key, row.metadata, row.offset, row.total, row.data,
+                                              row.checksum)
                     if done is not None:
-                        self._store(row.key, done[0], done[1], ttl)
+                        self._store(row.key, done[0], done[1], ttl, done[2])
         except KVStoreError as exc:
             self.metrics.errors.labels("put").inc()
             raise pa.ArrowInvalid(str(exc)) from exc
@@ -114,14 +116,15 @@ class KVStoreServer(flight.FlightServerBase):
         return req.ttl_s or self.default_ttl_s
 
     def _store(self, key: str, meta: bytes, payload: pa.Buffer | ChunkedPayload | ShmFile,
-               ttl: float | None) -> None:
+               ttl: float | None, checksum: bytes = b"") -> None:
         if self.validate:
             check_key(key)
             check_metadata(key, meta, payload.size)
         elif not key:
             raise pa.ArrowInvalid("put: key must not be empty")
+        check_checksum(key, checksum)
         self._check_size(key, len(meta) + payload.size)
-        self.backend.put(key, KVObject(meta, payload), ttl)
+        self.backend.put(key, KVObject(meta, payload, checksum), ttl)
         self.metrics.put_objects.inc()
         self.metrics.put_bytes.inc(payload.size)
 
@@ -248,7 +251,7 @@ class KVStoreServer(flight.FlightServerBase):
             stored = 0
             for obj in objects:
                 # Adopted, the file is the store's: dropped (even by a failing check) = deleted.
-                self._store(obj.key, obj.metadata, area.adopt(obj.file, obj.size), ttl)
+                self._store(obj.key, obj.metadata, area.adopt(obj.file, obj.size), ttl, obj.checksum)
                 stored += 1
             return _count(stored)
         finally:
@@ -268,10 +271,11 @@ class KVStoreServer(flight.FlightServerBase):
                 out.objects.add(key=key, found=False)
             elif isinstance(obj.data, ShmFile):
                 out.objects.add(key=key, found=True, metadata=obj.metadata, file=obj.data.name,
-                                size=obj.data.size)
+                                size=obj.data.size, checksum=obj.checksum)
                 nbytes += obj.data.size
             else:  # put over Flight, or a backend outside this process: DoGet
-                out.objects.add(key=key, found=True, metadata=obj.metadata, size=len(obj.data))
+                out.objects.add(key=key, found=True, metadata=obj.metadata, size=len(obj.data),
+                                checksum=obj.checksum)
         self.metrics.get_bytes.inc(nbytes)
         self.metrics.get_latency.observe(time.perf_counter() - start)
         return out.SerializeToString()
@@ -301,21 +305,21 @@ def _batches(key: str, obj: KVObject | None, offset: int, length: int) -> list[p
     if obj is None:
         return [object_batch(key, b"", b"", found=False, total=0)]
     if isinstance(obj.data, ShmFile):
-        obj = KVObject(obj.metadata, obj.data.contiguous())
+        obj = KVObject(obj.metadata, obj.data.contiguous(), obj.checksum)
     if isinstance(obj.data, ChunkedPayload):
         size = obj.data.size
         start = min(offset, size)
         end = size if length == 0 else min(size, start + length)
         pieces = obj.data.pieces(start, end) or [(start, pa.py_buffer(b""))]
-        return [object_batch(key, obj.metadata, piece, offset=at, total=size)
+        return [object_batch(key, obj.metadata, piece, offset=at, total=size, checksum=obj.checksum)
                 for at, piece in pieces]
     data = as_buffer(obj.data)
     if offset == 0 and (length == 0 or length >= data.size):
-        return [object_batch(key, obj.metadata, data)]
+        return [object_batch(key, obj.metadata, data, checksum=obj.checksum)]
     start = min(offset, data.size)
     end = data.size if length == 0 else min(data.size, start + length)
     return [object_batch(key, obj.metadata, data.slice(start, end - start), offset=start,
-                         total=data.size)]
+                         total=data.size, checksum=obj.checksum)]
 
 
 def _parse(message_type: Any, body: bytes, op: str) -> Any:

@@ -1,11 +1,13 @@
 """Checks the server applies to objects before storing them: LMCache key strings, and LMCache
-`RemoteMetadata` headers whose payload length matches the bytes that came with them."""
+`RemoteMetadata` headers whose payload length matches the bytes that came with them, and
+checksums of a bounded length (the store keeps them without interpreting them)."""
 
 from __future__ import annotations
 
 from kvstore.backend import InvalidRequestError
 
 MAX_KEY_LENGTH = 4096
+MAX_CHECKSUM_BYTES = 64  # kvstore/integrity.py writes 32
 
 
 def check_key(key: str) -> None:
@@ -36,3 +38,10 @@ def check_metadata(key: str, metadata: bytes, payload_size: int) -> None:
     if meta.length != payload_size:
         raise InvalidRequestError(f"put {key[:200]!r}: metadata says {meta.length} payload bytes, "
                                   f"{payload_size} arrived")
+
+
+def check_checksum(key: str, checksum: bytes) -> None:
+    """Raises InvalidRequestError when `checksum` is longer than MAX_CHECKSUM_BYTES."""
+    if len(checksum) > MAX_CHECKSUM_BYTES:
+        raise InvalidRequestError(f"put {key[:200]!r}: checksum of {len(checksum)} bytes, at most "
+                                  f"{MAX_CHECKSUM_BYTES}")

@@ -2,9 +2,10 @@
 
 Every record batch has the columns key (utf8), metadata (binary), data (large_binary), found
 (bool), offset and total (uint64: where `data` sits in an object of `total` bytes; a whole object
-has offset 0 and total = len(data)). A put sends and a get returns one batch per object (or per
-part of a large object), so a payload travels as one Arrow buffer laid over the caller's memory
-(a tensor, bytes, or a buffer the server holds).
+has offset 0 and total = len(data)) and checksum (binary: the producer's checksum of the whole
+object, kvstore/integrity.py; empty = none; every part of an object carries it). A put sends
+and a get returns one batch per object (or per part of a large object), so a payload travels as
+one Arrow buffer laid over the caller's memory (a tensor, bytes, or a buffer the server holds).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ SCHEMA = pa.schema([
     pa.field("found", pa.bool_(), nullable=False),
     pa.field("offset", pa.uint64(), nullable=False),
     pa.field("total", pa.uint64(), nullable=False),
+    pa.field("checksum", pa.binary(), nullable=False),
 ])
 
 
@@ -36,7 +38,7 @@ def as_buffer(data: Any) -> pa.Buffer:
 
 
 def object_batch(key: str, metadata: bytes, data: Any, found: bool = True, offset: int = 0,
-                 total: int | None = None) -> pa.RecordBatch:
+                 total: int | None = None, checksum: bytes = b"") -> pa.RecordBatch:
     """One object (or the part at `offset` of an object of `total` bytes) as a one-row batch;
     the payload buffer is referenced, not copied."""
     payload = as_buffer(data)
@@ -46,7 +48,7 @@ def object_batch(key: str, metadata: bytes, data: Any, found: bool = True, offse
     return pa.RecordBatch.from_arrays(
         [pa.array([key], pa.utf8()), pa.array([metadata], pa.binary()), data_arr,
          pa.array([found], pa.bool_()), pa.array([offset], pa.uint64()),
-         pa.array([total], pa.uint64())], schema=SCHEMA)
+         pa.array([total], pa.uint64()), pa.array([checksum], pa.binary())], schema=SCHEMA)
 
 
 class Row(NamedTuple):
@@ -56,6 +58,7 @@ class Row(NamedTuple):
     found: bool
     offset: int
     total: int
+    checksum: bytes = b""
 
     @property
     def is_whole(self) -> bool:
@@ -71,10 +74,11 @@ def iter_objects(batch: pa.RecordBatch) -> Iterator[Row]:
     found = batch.column(3).to_pylist()
     offs = batch.column(4).to_pylist()
     totals = batch.column(5).to_pylist()
+    sums = batch.column(6).to_pylist()
     data = batch.column(2)
     _, offsets_buf, values = data.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=np.int64)[data.offset: data.offset + len(data) + 1]
     for i, key in enumerate(keys):
         start, end = int(offsets[i]), int(offsets[i + 1])
         payload = values.slice(start, end - start) if values is not None else pa.py_buffer(b"")
-        yield Row(key, metas[i], payload, bool(found[i]), int(offs[i]), int(totals[i]))
+        yield Row(key, metas[i], payload, bool(found[i]), int(offs[i]), int(totals[i]), sums[i])

@@ -97,18 +97,20 @@ class ShmInfo(_message.Message):
     def __init__(self, dir: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
 
 class ShmObject(_message.Message):
-    __slots__ = ("key", "metadata", "file", "size", "found")
+    __slots__ = ("key", "metadata", "file", "size", "found", "checksum")
     KEY_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     FILE_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     key: str
     metadata: bytes
     file: str
     size: int
     found: bool
-    def __init__(self, key: _Optional[str] = ..., metadata: _Optional[bytes] = ..., file: _Optional[str] = ..., size: _Optional[int] = ..., found: _Optional[bool] = ...) -> None: ...
+    checksum: bytes
+    def __init__(self, key: _Optional[str] = ..., metadata: _Optional[bytes] = ..., file: _Optional[str] = ..., size: _Optional[int] = ..., found: _Optional[bool] = ..., checksum: _Optional[bytes] = ...) -> None: ...
 
 class ShmPutRequest(_message.Message):
     __slots__ = ("objects", "ttl_s")

@@ -19,6 +19,7 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int, scheduler: Sch
     from pathlib import Path
 
     from kvstore.client import KVStoreClient
+    from kvstore.integrity import load_key as load_integrity_key
 
     def client(timeout_s: float = config.kv_store_timeout_s) -> KVStoreClient:
         return KVStoreClient(config.kv_store_url, timeout_s=timeout_s, breaker_s=config.kv_store_timeout_s)
@@ -30,5 +31,6 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int, scheduler: Sch
         config.kv_lease_s, config.kv_store_url, scheduler.requests.get, kv.get_block_ids,
         load_mode=config.kv_load_mode, layerwise_max_tokens=config.kv_layerwise_max_tokens)
     worker = KVStoreConnectorWorker(client, config.kv_chunk_size, config.kv_stream_layers,
-                                    save_wait_s=config.kv_save_wait_s)
+                                    save_wait_s=config.kv_save_wait_s,
+                                    integrity_key=load_integrity_key())
     return sched, worker

@@ -13,6 +13,11 @@ WAITING_FOR_REMOTE_KVS) or inside the step that computes the request, whose forw
 each layer in turn (layer-wise); the scheduler half picks per load (EngineConfig.kv_load_mode).
 A missing, short or mismatched object truncates what counts as loaded to the tokens before it,
 which the scheduler then recomputes (or fails, by policy).
+Integrity (kvstore/integrity.py): the sender puts every object with its checksum (keyed BLAKE3
+with the integrity key from PDSERVE_KV_INTEGRITY_KEY, plain BLAKE3 without one); a loaded
+object whose checksum does not verify, or that has none while a key is configured, counts as
+missing (its tokens are recomputed and never cached from it), `integrity_failures` in the
+transfer stats, and a warning naming its key.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 from engine.connector.base import KVConnectorOutput, KVConnectorWorker
 from engine.connector.kvstore_meta import KVStoreConnectorMetadata, LoadSpec
 from engine.core.outputs import KVTransferStats
+from kvstore import integrity
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +110,12 @@ class WorkerTimings:
 
 class KVStoreConnectorWorker(KVConnectorWorker):
     def __init__(self, make_client: Callable[[], Any], chunk_size: int,
-                 stream_layers: bool = True, save_wait_s: float | None = None) -> None:
+                 stream_layers: bool = True, save_wait_s: float | None = None,
+                 integrity_key: bytes | None = None) -> None:
         self.chunk_size = chunk_size
+        # kvstore.integrity.load_key() (the factory passes it); None: plain BLAKE3 checksums
+        self.integrity_key = integrity_key
+        self.integrity_checks = True  # False: no checksums put, none verified (benchmarks only)
         self.save_wait_s = save_wait_s  # None: wait for every save
         # False: hold a step's objects and send them all after the last layer (whole-request
         # transfer, for comparison); True: send each layer while the next ones compute.
@@ -170,7 +180,10 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             start = time.perf_counter()
             failed = False
             try:
-                self._send_client.put(items)
+                # Hashed here, off the forward's thread (blake3 lets go of the GIL).
+                key = self.integrity_key
+                self._send_client.put([(k, meta, data, integrity.checksum(k, meta, data, key))
+                                       for k, meta, data in items] if self.integrity_checks else items)
             except Exception as exc:
                 failed = True
                 self.send_errors += 1
@@ -256,6 +269,9 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                     problem = f"does not match ({meta.length} bytes, shape {shape})"
             except ValueError as exc:
                 problem = f"has bad metadata: {exc}"
+        if problem is None:
+            assert obj is not None
+            problem = self._check_integrity(f"{spec.chunk_keys[c]}@{layer}", obj)
         if problem is not None:
             state.valid = min(state.valid, lo)
             state.error = state.error or f"KV object of chunk {c} layer {layer} {problem}"
@@ -263,6 +279,18 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         assert obj is not None
         data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
         scatter_tokens(kv, spec.block_ids, lo, data[lo - c * cs: hi - c * cs])
+
+    def _check_integrity(self, key: str, obj: Any) -> str | None:
+        """None when the object's checksum verifies; else why not (counted and logged)."""
+        if not self.integrity_checks or integrity.verify(key, obj.metadata, obj.data, obj.checksum,
+                                                         self.integrity_key):
+            return None
+        why = "has a checksum that does not match" if obj.checksum else "has no checksum"
+        logger.warning("KV object %s %s (integrity key %s): treated as missing, its tokens are "
+                       "recomputed", key, why, "set" if self.integrity_key else "not set")
+        with self._stats_lock:
+            self._stats.integrity_failures += 1
+        return f"failed its integrity check ({why})"
 
     # --- layer-wise loads: inside the step, the forward waits for each layer it needs ----------
     def _start_layerwise(self, specs: list[LoadSpec]) -> None:
@@ -334,7 +362,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             self._stats.load_failures += failed
 
     def _record_save(self, items: list[tuple[str, bytes, Any]], seconds: float, failed: bool) -> None:
-        nbytes = sum(len(meta) + memoryview(data).nbytes for _, meta, data in items)
+        nbytes = sum(len(meta) + memoryview(data).nbytes for _, meta, data in items)  # no checksums
         with self._stats_lock:
             self._stats.save_seconds.observe(seconds)
             if failed:

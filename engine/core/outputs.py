@@ -222,10 +222,12 @@ class KVTransferStats:
     save_bytes: int = 0
     load_failures: int = 0  # loads that ended short or with an error
     save_failures: int = 0  # puts the store refused or that did not reach it
+    integrity_failures: int = 0  # loaded objects whose checksum did not verify (kvstore/integrity.py)
 
     def copy(self) -> KVTransferStats:
         return KVTransferStats(self.load_seconds.copy(), self.save_seconds.copy(), self.load_bytes,
-                               self.save_bytes, self.load_failures, self.save_failures)
+                               self.save_bytes, self.load_failures, self.save_failures,
+                               self.integrity_failures)
 
 
 @dataclass

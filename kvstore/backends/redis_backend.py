@@ -5,6 +5,9 @@ LMCache's `RedisConnector` stores an object as two plain string keys, with no pr
 backend uses exactly those keys, so LMCache and pdserve read each other's objects. Unlike
 LMCache, which sets the two keys one after the other, a put here writes both in one MULTI/EXEC
 transaction and a get reads both in one, so a reader never sees half an object.
+The producer's checksum (kvstore/integrity.py) goes in a third key, `key + "checksum"`,
+written, read, expired and deleted with the other two; LMCache's two keys hold exactly what
+LMCache writes, and an object without a checksum (an LMCache client's) has no third key.
 
 Eviction belongs to Redis: its `maxmemory` / `maxmemory-policy` decide what goes when memory
 runs out, and this backend cannot stop that. Protection is what Redis offers:
@@ -41,6 +44,7 @@ from kvstore.credentials import read_secret
 
 META_SUFFIX = "metadata"
 DATA_SUFFIX = "kv_bytes"
+CHECKSUM_SUFFIX = "checksum"
 PINNED_SET = "pdserve:pinned"
 LEASED_ZSET = "pdserve:leased"
 REDIS_MAX_BULK = 512 * 1024 * 1024  # Redis' default proto-max-bulk-len
@@ -91,6 +95,10 @@ class RedisBackend(Backend):
             pipe = self._redis.pipeline(transaction=True)
             pipe.set(key + DATA_SUFFIX, payload, px=px)
             pipe.set(key + META_SUFFIX, obj.metadata, px=px)
+            if obj.checksum:
+                pipe.set(key + CHECKSUM_SUFFIX, obj.checksum, px=px)
+            else:  # none: no stale checksum of an earlier object under this key
+                pipe.delete(key + CHECKSUM_SUFFIX)
             pipe.execute()
 
     def delete(self, keys: Sequence[str]) -> int:
@@ -99,7 +107,7 @@ class RedisBackend(Backend):
         with _redis_errors():
             pipe = self._redis.pipeline(transaction=False)
             for key in keys:
-                pipe.delete(key + META_SUFFIX, key + DATA_SUFFIX)
+                pipe.delete(key + META_SUFFIX, key + DATA_SUFFIX, key + CHECKSUM_SUFFIX)
             pipe.srem(PINNED_SET, *keys)
             pipe.zrem(LEASED_ZSET, *keys)
             removed = pipe.execute()[: len(keys)]
@@ -112,14 +120,15 @@ class RedisBackend(Backend):
             pipe = self._redis.pipeline(transaction=True)
             pipe.get(key + META_SUFFIX)
             pipe.get(key + DATA_SUFFIX)
-            metadata, data = pipe.execute()
+            pipe.get(key + CHECKSUM_SUFFIX)
+            metadata, data, checksum = pipe.execute()
         found = metadata is not None and data is not None
         with self._counts_lock:
             if found:
                 self._hits += 1
             else:
                 self._misses += 1
-        return KVObject(metadata=metadata, data=data) if found else None
+        return KVObject(metadata=metadata, data=data, checksum=checksum or b"") if found else None
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         if not keys:
@@ -144,8 +153,9 @@ class RedisBackend(Backend):
             for key in keys:
                 pipe.pexpire(key + META_SUFFIX, ms, gt=True)
                 pipe.pexpire(key + DATA_SUFFIX, ms, gt=True)
+                pipe.pexpire(key + CHECKSUM_SUFFIX, ms, gt=True)
                 pipe.exists(key + META_SUFFIX, key + DATA_SUFFIX)
-            present = [key for key, n in zip(keys, pipe.execute()[2::3], strict=True) if n == 2]
+            present = [key for key, n in zip(keys, pipe.execute()[3::4], strict=True) if n == 2]
             if present:
                 deadline_ms = _now_ms() + ms
                 self._redis.zadd(LEASED_ZSET, {key: deadline_ms for key in present}, gt=True)
@@ -168,8 +178,9 @@ class RedisBackend(Backend):
             for key in keys:
                 pipe.persist(key + META_SUFFIX)
                 pipe.persist(key + DATA_SUFFIX)
+                pipe.persist(key + CHECKSUM_SUFFIX)
                 pipe.exists(key + META_SUFFIX, key + DATA_SUFFIX)
-            present = [key for key, n in zip(keys, pipe.execute()[2::3], strict=True) if n == 2]
+            present = [key for key, n in zip(keys, pipe.execute()[3::4], strict=True) if n == 2]
             if present:
                 self._redis.sadd(PINNED_SET, *present)
         return len(present)
@@ -188,13 +199,14 @@ class RedisBackend(Backend):
                 for key in unpinned:
                     pipe.pexpire(key + META_SUFFIX, ms, nx=True)
                     pipe.pexpire(key + DATA_SUFFIX, ms, nx=True)
+                    pipe.pexpire(key + CHECKSUM_SUFFIX, ms, nx=True)
                 pipe.execute()
         return len(unpinned)
 
     def stats(self) -> BackendStats:
         """objects: "*metadata" keys (SCAN, at most `scan_limit`); bytes_used: the server's
         used_memory; capacity: its maxmemory (0 = none); evictions: its evicted_keys (Redis keys,
-        two per object)."""
+        two or three per object)."""
         with _redis_errors():
             memory = self._redis.info("memory")
             evicted = self._redis.info("stats").get("evicted_keys", 0)

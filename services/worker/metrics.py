@@ -157,6 +157,10 @@ class EngineStatsCollector(Collector):
             nbytes.add_metric([*self._values, direction], moved)
             failures.add_metric([*self._values, direction], failed)
         yield from (seconds, nbytes, failures)
+        yield self._counter("pdserve:kv_integrity_failures",
+                            "KV objects loaded from the KV store whose checksum did not verify (or "
+                            "that had none while an integrity key is configured); their tokens "
+                            "were recomputed.", kv.integrity_failures)
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(name, doc, labels=self._names)

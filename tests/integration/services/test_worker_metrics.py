@@ -140,6 +140,7 @@ async def test_prefill_saves_and_decode_loads_kv_in_the_metrics(pd: dict[str, Wo
     assert 0 < loaded <= saved
     assert value(d_after, decode, "pdserve:kv_transfer_failures_total", direction="load") == 0
     assert value(p_after, prefill, "pdserve:kv_transfer_failures_total", direction="save") == 0
+    assert value(d_after, decode, "pdserve:kv_integrity_failures_total") == 0  # every checksum verified
     assert delta(prefill, p_after, p_before, "vllm:generation_tokens_total") == 1
     assert delta(decode, d_after, d_before, "vllm:generation_tokens_total") == n == 4
     # The prompt counts once, where it was computed: the decode half continues it.
