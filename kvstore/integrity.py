@@ -18,7 +18,6 @@ corruption, not forgery.
 from __future__ import annotations
 
 import hmac
-import os
 import struct
 from collections.abc import Iterable
 from typing import Any
@@ -27,23 +26,12 @@ import blake3
 import numpy as np
 
 from kvstore.chunked import ChunkedPayload
+from kvstore.credentials import read_secret
 from kvstore.shm import ShmFile
 
 KEY_ENV = "PDSERVE_KV_INTEGRITY_KEY"
 DERIVE_CONTEXT = "pdserve kv integrity v1"
 CHECKSUM_BYTES = 32
-
-
-def read_secret(name: str) -> str | None:
-    """$NAME, else the stripped content of the file $NAME_FILE, else None."""
-    value = os.environ.get(name)
-    if value:
-        return value
-    path = os.environ.get(f"{name}_FILE")
-    if path:
-        with open(path) as f:
-            return f.read().strip() or None
-    return None
 
 
 def derive_key(secret: str) -> bytes:
