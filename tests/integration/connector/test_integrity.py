@@ -10,6 +10,7 @@ and gives the same tokens)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,8 @@ import pytest
 import torch
 
 from kvstore import integrity
-from kvstore.client import KVStoreClient
-from kvstore.service import KVStoreService
+from kvstore.client import KVStoreAuthError, KVStoreClient
+from kvstore.service import KVStoreService, StoreOptions
 from tests.integration.connector.test_disaggregated import (
     NEW_TOKENS,
     decode,
@@ -100,13 +101,31 @@ def test_bad_kv_is_recomputed_and_never_cached(store: KVStoreService, long_model
     consumer.engine_core.shutdown()
 
 
+WORKER, ATTACKER, OPERATOR = "worker-token-0123456789", "attacker-token-0123456789", "admin-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def auth_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVStoreService]:
+    """A store with credentials (as `pdserve up` runs it): the workers' token may produce and
+    consume, the attacker's only produce (a stolen or misused producer credential)."""
+    path = tmp_path_factory.mktemp("auth") / "kv-auth"
+    path.write_text(f"{WORKER} producer,consumer\n{ATTACKER} producer\n{OPERATOR} admin,consumer\n")
+    path.chmod(0o600)
+    with KVStoreService(StoreOptions(capacity="512MiB", port=0, auth_file=str(path))) as service:
+        yield service
+
+
+@pytest.mark.parametrize("credential", ["none", "producer"])
 def test_writer_without_the_integrity_key_cannot_poison_a_prompt_being_served(
-        store: KVStoreService, long_model_dir: Path, expected: dict[int, list[int]],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """The attacker may write to the store (a producer's credentials) but does not hold the
-    integrity key: it overwrites a chunk with garbage and a well-formed unkeyed checksum, over
-    and over while the prefill worker saves and the decode worker loads."""
+        auth_store: KVStoreService, long_model_dir: Path, expected: dict[int, list[int]],
+        monkeypatch: pytest.MonkeyPatch, credential: str) -> None:
+    """The attack of issue 19: while the prefill worker saves and the decode worker loads, an
+    attacker overwrites the prompt's chunks with garbage (and a well-formed unkeyed checksum),
+    over and over. Without a credential every write is refused; with a producer's credential but
+    not the integrity key, every write lands and is detected. Not one output token changes."""
+    store = auth_store
     monkeypatch.setenv(integrity.KEY_ENV, SECRET)
+    monkeypatch.setenv("PDSERVE_KV_TOKEN", WORKER)  # the engines' connectors
     producer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_producer",
                    kv_store_url=store.location)
     consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
@@ -116,19 +135,22 @@ def test_writer_without_the_integrity_key_cannot_poison_a_prompt_being_served(
     first_keys = prefill(llm(long_model_dir, kv_connector="kvstore", kv_role="kv_producer",
                              kv_store_url=store.location), prompts)
     targets = [f"{k}@{layer}" for _, p in first_keys for k in p["keys"] for layer in range(3)]
-    with KVStoreClient(store.location) as c:
+    with KVStoreClient(store.location, token=OPERATOR) as c:
         templates = {key: c.get([key])[0] for key in targets}
         c.delete(targets)
     stop = threading.Event()
-    writes = [0]
+    writes, refused = [0], [0]
 
     def attack() -> None:
-        with KVStoreClient(store.location) as c:
+        with KVStoreClient(store.location, token=ATTACKER if credential == "producer" else "") as c:
             while not stop.is_set():
                 for key, obj in templates.items():
                     data = garbage_like(obj).numpy()
-                    c.put([(key, obj.metadata, data, integrity.checksum(key, obj.metadata, data, None))])
-                    writes[0] += 1
+                    try:
+                        c.put([(key, obj.metadata, data, integrity.checksum(key, obj.metadata, data, None))])
+                        writes[0] += 1
+                    except KVStoreAuthError:
+                        refused[0] += 1
 
     attacker = threading.Thread(target=attack, daemon=True)
     attacker.start()
@@ -138,7 +160,12 @@ def test_writer_without_the_integrity_key_cannot_poison_a_prompt_being_served(
     finally:
         stop.set()
         attacker.join(timeout=30)
-    assert writes[0] > 0
+    if credential == "producer":  # the writes landed; the consumer caught what it loaded of them
+        assert writes[0] > 0 and refused[0] == 0
+        assert integrity_failures(consumer) > 0
+    else:
+        assert refused[0] > 0 and writes[0] == 0
+        assert integrity_failures(consumer) == 0
     for n, (tok, _), o in zip(LENGTHS, firsts, outs, strict=True):
         assert [tok, *o.outputs[0].token_ids] == expected[n], f"prompt of {n} tokens differs"
     for engine in (producer, consumer):
