@@ -203,7 +203,7 @@ def _prompt_of_dict(prompt: dict[str, Any]) -> str | list[int]:
         raise ValueError("prompt dict: 'prompt' must be a string")
     if "prompt_token_ids" in prompt and not isinstance(inner, list):
         raise ValueError("prompt dict: 'prompt_token_ids' must be a list of token ids")
-    return inner  # type: ignore[no-any-return]
+    return inner  # type: ignore[return-value]
 
 
 def child_request_id(request_id: str, index: int) -> str:

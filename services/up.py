@@ -71,7 +71,12 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts with at most this many uncached tokens skip the prefill pool")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, "
+                        "comma-separated keys); visible in ps: prefer the variable or --api-key-file")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="router: API keys, one per line, '#' comments")
+    p.add_argument("--tenant-cache-salt", action="store_true",
+                   help="router: each API key is a tenant whose KV no other key's requests share")
     p.add_argument("--stall-timeout-s", type=float, default=None,
                    help="router: a decode stream silent this long moves to another worker "
                         "(default: the router's)")
@@ -180,7 +185,14 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int) -> tuple[list[
         router += ["--max-model-len", str(args.max_model_len)]
     if args.stall_timeout_s is not None:
         router += ["--stall-timeout-s", str(args.stall_timeout_s)]
+    if args.api_key_file:
+        router += ["--api-key-file", args.api_key_file]
+    if args.tenant_cache_salt:
+        router += ["--tenant-cache-salt"]
     # The API key goes by environment, not argv (ps shows argv).
+    if args.api_key and args.api_key != os.environ.get("PDSERVE_API_KEY"):
+        print("pdserve up: warning: --api-key on the command line is visible to other users of this "
+              "host (ps); use $PDSERVE_API_KEY or --api-key-file", file=sys.stderr)
     env = {**os.environ, "PDSERVE_API_KEY": args.api_key} if args.api_key else None
     url = f"http://{h}:{args.port}"
     router_spec = ChildSpec("router", "router", cli(*router), router_ready(url), target=f"{h}:{args.port}",

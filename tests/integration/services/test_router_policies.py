@@ -32,7 +32,7 @@ def config(model_dir: Path, dispatch: DispatchOptions, **kw: object) -> RouterCo
 async def test_api_key_guards_v1_but_not_health_or_metrics(workers: dict[str, WorkerServer],
                                                            model_dir: Path) -> None:
     dispatch = DispatchOptions(decode=(workers["colocated"].target,))
-    with ServedRouter(config(model_dir, dispatch, api_key="s3cret")) as served:
+    with ServedRouter(config(model_dir, dispatch, api_keys=("s3cret",))) as served:
         async with openai.AsyncOpenAI(base_url=served.base_url, api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError) as err:
                 await bad.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
