@@ -17,7 +17,7 @@ from engine.core.outputs import EngineStats
 from engine.core_client import AsyncMPClient, EngineCoreClient, EngineDeadError, InprocClient
 from engine.output_processor import OutputProcessor, RequestOutputCollector
 from engine.outputs import RequestOutput
-from engine.processor import Processor, PromptType
+from engine.processor import Processor, PromptType, prompt_cache_salt
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -90,14 +90,16 @@ class AsyncLLM:
         awaited once the core has the request, before its first output (a server tells its
         client there that the request was accepted). `num_prior_outputs`: the prompt's last
         that many tokens are earlier outputs of this (single) sample, which the engine continues
-        (EngineCoreRequest.num_prior_outputs); outputs carry only the new tokens.
+        (EngineCoreRequest.num_prior_outputs); outputs carry only the new tokens. A prompt
+        dict's `cache_salt` keeps its KV apart from other salts' (EngineCoreRequest.cache_salt).
         """
         if self._dead is not None:
             raise self._dead
         params = sampling_params if sampling_params is not None else SamplingParams()
         text, token_ids = self.processor.preprocess(prompt)
         requests = self.processor.make_requests(request_id, token_ids, params, priority=priority,
-                                                num_prior_outputs=num_prior_outputs)
+                                                num_prior_outputs=num_prior_outputs,
+                                                cache_salt=prompt_cache_salt(prompt))
         collector = RequestOutputCollector(params.output_kind)
         self.output_processor.add_request(request_id, text, requests, params, collector)
         self._ensure_output_handler()

@@ -20,7 +20,7 @@ from engine.core_client import InprocClient
 from engine.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.processor import Processor, PromptType
+from engine.processor import Processor, PromptType, prompt_cache_salt
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 ChatMessages = list[dict[str, Any]]
@@ -57,11 +57,13 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | list[str] | list[int] | list[list[int]],
+        prompts: str | list[str] | list[int] | list[list[int]] | dict[str, Any] | list[dict[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One finished RequestOutput per prompt, in prompt order."""
+        """One finished RequestOutput per prompt, in prompt order. A prompt dict
+        ({"prompt": text} or {"prompt_token_ids": ids}) may carry a `cache_salt`: only
+        prompts of the same salt share cached KV."""
         return self._run(_as_prompt_list(prompts), sampling_params, use_tqdm)
 
     def chat(
@@ -94,8 +96,8 @@ class LLM:
             params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             text, token_ids = self.processor.preprocess(prompt)
             request_id = str(next(self._ids))
-            prepared.append((request_id, text, params,
-                             self.processor.make_requests(request_id, token_ids, params)))
+            prepared.append((request_id, text, params, self.processor.make_requests(
+                request_id, token_ids, params, cache_salt=prompt_cache_salt(prompt))))
         order = {request_id: i for i, (request_id, *_) in enumerate(prepared)}
         results: list[RequestOutput | None] = [None] * len(prepared)
         try:
@@ -124,7 +126,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | dict):
         return [prompts]
     if not isinstance(prompts, list) or not prompts:
         raise ValueError("prompts must be a string, token ids, or a non-empty list of them")

@@ -16,8 +16,10 @@ from engine.config import EngineConfig
 from engine.core.outputs import EngineCoreRequest
 from engine.sampling_params import SamplingParams
 
-# A prompt: text, token ids, or chat messages ({"role": ..., "content": ...}).
-PromptType = str | list[int] | list[dict[str, Any]]
+# A prompt: text, token ids, chat messages ({"role": ..., "content": ...}), or vLLM's prompt
+# dict: {"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt".
+PromptType = str | list[int] | list[dict[str, Any]] | dict[str, Any]
+_PROMPT_DICT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}
 
 
 class Processor:
@@ -43,7 +45,8 @@ class Processor:
     ) -> list[EngineCoreRequest]:
         """The core requests of one user request (one per sample)."""
         _, token_ids = self.preprocess(prompt)
-        return self.make_requests(request_id, token_ids, params, arrival_time, priority)
+        return self.make_requests(request_id, token_ids, params, arrival_time, priority,
+                                  cache_salt=prompt_cache_salt(prompt))
 
     def preprocess(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(prompt text or None for token ids, prompt token ids), validated."""
@@ -66,10 +69,12 @@ class Processor:
         arrival_time: float | None = None,
         priority: int = 0,
         num_prior_outputs: int = 0,
+        cache_salt: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Fans `params.n` out into core requests; max_tokens=None becomes the room left.
         `num_prior_outputs`: the last that many token ids are earlier outputs of the sample
-        (one sample only), which this engine continues."""
+        (one sample only), which this engine continues. `cache_salt`: only requests of the
+        same salt share cached KV (EngineCoreRequest.cache_salt)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         params.check_vocab(self.vocab_size)
@@ -85,18 +90,20 @@ class Processor:
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids)
                              + num_prior_outputs)
+        check_cache_salt(cache_salt)
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             return [self._request(request_id, prompt_token_ids, params, arrival, priority,
-                                  num_prior_outputs)]
+                                  num_prior_outputs, cache_salt)]
         return [
             self._request(child_request_id(request_id, i), prompt_token_ids,
-                          params.for_child(i), arrival, priority)
+                          params.for_child(i), arrival, priority, cache_salt=cache_salt)
             for i in range(params.n)
         ]
 
     def _request(self, request_id: str, token_ids: list[int], params: SamplingParams,
-                 arrival_time: float, priority: int, num_prior_outputs: int = 0) -> EngineCoreRequest:
+                 arrival_time: float, priority: int, num_prior_outputs: int = 0,
+                 cache_salt: str | None = None) -> EngineCoreRequest:
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(token_ids),
@@ -105,9 +112,12 @@ class Processor:
             arrival_time=arrival_time,
             priority=priority,
             num_prior_outputs=num_prior_outputs,
+            cache_salt=cache_salt,
         )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            return self._tokenize(_prompt_of_dict(prompt))
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -166,6 +176,34 @@ class Processor:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             bad = next(t for t in token_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"prompt token id {bad} out of range [0, {self.vocab_size})")
+
+
+def prompt_cache_salt(prompt: PromptType) -> str | None:
+    """The `cache_salt` of a prompt dict (checked), None for any other prompt."""
+    if not isinstance(prompt, dict):
+        return None
+    salt = prompt.get("cache_salt")
+    check_cache_salt(salt)
+    return salt
+
+
+def check_cache_salt(salt: object) -> None:
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r:.40}")
+
+
+def _prompt_of_dict(prompt: dict[str, Any]) -> str | list[int]:
+    unknown = sorted(set(prompt) - _PROMPT_DICT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt dict: unknown keys {unknown} (known: {sorted(_PROMPT_DICT_KEYS)})")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    inner = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if "prompt" in prompt and not isinstance(inner, str):
+        raise ValueError("prompt dict: 'prompt' must be a string")
+    if "prompt_token_ids" in prompt and not isinstance(inner, list):
+        raise ValueError("prompt dict: 'prompt_token_ids' must be a list of token ids")
+    return inner  # type: ignore[return-value]
 
 
 def child_request_id(request_id: str, index: int) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -215,8 +214,15 @@ def _add_router(subparsers: Any) -> None:
     p.add_argument("--max-waiting", type=int, default=64,
                    help="429 once every worker of a pool has this many queued requests")
     p.add_argument("--max-inflight", type=int, default=4096, help="429 beyond this many requests")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*; visible in ps: prefer "
+                        "$PDSERVE_API_KEY (comma-separated keys) or --api-key-file")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="API keys, one per line, '#' comments (default: $PDSERVE_API_KEY_FILE); "
+                        "any configured key is accepted")
+    p.add_argument("--tenant-cache-salt", action="store_true",
+                   help="each API key is a tenant: KV (prefix caches, KV store) is shared only among "
+                        "requests made with the same key")
     p.add_argument("--stall-timeout-s", type=float, default=5.0,
                    help="a decode stream with no token and no worker heartbeat this long moves to "
                         "another worker")
@@ -235,6 +241,7 @@ def _add_router(subparsers: Any) -> None:
 
 def _run_router(args: argparse.Namespace) -> int:
     from services.procs import PortInUseError
+    from services.router.api_keys import load_api_keys
     from services.router.app import RouterConfig, create_app
     from services.router.dispatch import DispatchOptions
     from services.router.edge import bind, serve
@@ -245,7 +252,9 @@ def _run_router(args: argparse.Namespace) -> int:
                                decode_policy=args.policy, local_prefill_tokens=args.local_prefill_tokens,
                                stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations)
     config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
-                          max_model_len=args.max_model_len, dispatch=dispatch, api_key=args.api_key,
+                          max_model_len=args.max_model_len, dispatch=dispatch,
+                          api_keys=load_api_keys(args.api_key, args.api_key_file),
+                          tenant_cache_salt=args.tenant_cache_salt,
                           max_waiting=args.max_waiting, max_inflight=args.max_inflight,
                           max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
                           body_timeout_s=args.body_timeout_s)

@@ -78,7 +78,12 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts with at most this many uncached tokens skip the prefill pool")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, "
+                        "comma-separated keys); visible in ps: prefer the variable or --api-key-file")
+    p.add_argument("--api-key-file", default=None, metavar="PATH",
+                   help="router: API keys, one per line, '#' comments")
+    p.add_argument("--tenant-cache-salt", action="store_true",
+                   help="router: each API key is a tenant whose KV no other key's requests share")
     p.add_argument("--no-auth", action="store_true",
                    help="no credentials: the KV store and the workers take calls from anyone who "
                         "reaches their ports (trusted networks only)")
@@ -202,7 +207,14 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
         router += ["--max-model-len", str(args.max_model_len)]
     if args.stall_timeout_s is not None:
         router += ["--stall-timeout-s", str(args.stall_timeout_s)]
+    if args.api_key_file:
+        router += ["--api-key-file", args.api_key_file]
+    if args.tenant_cache_salt:
+        router += ["--tenant-cache-salt"]
     # Keys go by environment, not argv (ps shows argv); the router holds no store credential.
+    if args.api_key and args.api_key != os.environ.get("PDSERVE_API_KEY"):
+        print("pdserve up: warning: --api-key on the command line is visible to other users of this "
+              "host (ps); use $PDSERVE_API_KEY or --api-key-file", file=sys.stderr)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_KV_")}
     if args.api_key:
         env["PDSERVE_API_KEY"] = args.api_key

@@ -60,14 +60,18 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
     def loads(self) -> bool:
         return self.role in ("kv_consumer", "kv_both")
 
-    def chunk_keys(self, req_id: str, prompt: list[int]) -> list[str]:
-        keys = self._chunk_keys.get(req_id)
+    def chunk_keys(self, request: Request) -> list[str]:
+        """The request's prompt chunk keys; a salted request's chain starts from its salt."""
+        keys = self._chunk_keys.get(request.request_id)
         if keys is None:
-            from kvstore.lmcache_format import CacheEngineKey, chunk_hashes
+            from kvstore.lmcache_format import NONE_HASH, CacheEngineKey, chunk_hashes, salt_prefix_hash
 
+            salt = request.cache_salt
+            first = salt_prefix_hash(salt) if salt is not None else NONE_HASH
             keys = [CacheEngineKey(self.model_name, 1, 0, h, self.dtype).to_string()
-                    for h in chunk_hashes(prompt, self.chunk_size, save_unfull_chunk=True)]
-            self._chunk_keys[req_id] = keys
+                    for h in chunk_hashes(request.prompt_token_ids, self.chunk_size,
+                                          save_unfull_chunk=True, prefix_hash=first)]
+            self._chunk_keys[request.request_id] = keys
         return keys
 
     def layer_keys(self, chunk_keys: list[str]) -> list[str]:
@@ -84,7 +88,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
             keys = [str(k) for k in params.get("keys", [])]
             available = min(int(params.get("num_tokens", 0)), len(keys) * self.chunk_size)
         else:
-            keys = self.chunk_keys(request.request_id, request.prompt_token_ids)
+            keys = self.chunk_keys(request)
             found = self._found.get(request.request_id)
             if found is None:  # one lookup per request, not one per step it waits
                 last_layer = [f"{k}@{self.num_layers - 1}" for k in keys]
@@ -170,7 +174,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
             chunks = [(c, c * self.chunk_size, min((c + 1) * self.chunk_size, prompt_len))
                       for c in range(first, total)]
             self._saved_chunks[req_id] = total
-            meta.saves.append(SaveSpec(req_id, self.chunk_keys(req_id, request.prompt_token_ids),
+            meta.saves.append(SaveSpec(req_id, self.chunk_keys(request),
                                        chunks, self._get_block_ids(req_id)))
         return meta
 
@@ -188,7 +192,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         params = request.sampling_params.kv_transfer_params or {}
         if not (self.saves and params.get("do_remote_decode")) or request.status.name == "FINISHED_ABORTED":
             return False, None
-        keys = keys or self.chunk_keys(req_id, request.prompt_token_ids)
+        keys = keys or self.chunk_keys(request)
         self._chunk_keys.pop(req_id, None)
         try:
             self.client.lease(self.layer_keys(keys), self.lease_s)

@@ -13,21 +13,28 @@ NONE_HASH = b"\x00" * 32
 
 
 def hash_block_tokens(parent_hash: bytes, token_ids: list[int] | tuple[int, ...],
-                      extra_keys: tuple[int, ...] = ()) -> bytes:
-    """h_i = SHA-256(h_{i-1} || tokens_i || extra_keys): equal prefixes give equal chains."""
+                      extra_keys: tuple[int, ...] = (), cache_salt: str | None = None) -> bytes:
+    """h_i = SHA-256(h_{i-1} || tokens_i || extra_keys [|| "salt" || cache_salt]): equal
+    prefixes give equal chains. The salt goes into the first block only (as vLLM's extra keys
+    of block 0): every later hash chains over it, so salts never share a block."""
     h = hashlib.sha256(parent_hash)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     if extra_keys:
         h.update(b"|")
         h.update(struct.pack(f"<{len(extra_keys)}q", *extra_keys))
+    if cache_salt is not None:
+        salt = cache_salt.encode()
+        h.update(b"|salt|" + struct.pack("<q", len(salt)) + salt)
     return h.digest()
 
 
-def block_hashes_for(token_ids: list[int], block_size: int, parent: bytes = NONE_HASH) -> list[bytes]:
-    """The hash chain of every full block of `token_ids`."""
+def block_hashes_for(token_ids: list[int], block_size: int, parent: bytes = NONE_HASH,
+                     cache_salt: str | None = None) -> list[bytes]:
+    """The hash chain of every full block of `token_ids` (the salt enters block 0's hash)."""
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start:start + block_size])
+        salt = cache_salt if start == 0 else None
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], cache_salt=salt)
         hashes.append(parent)
     return hashes
 
@@ -148,7 +155,8 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else NONE_HASH
         for i in range(len(hashes), num_full):
             tokens = request.all_token_ids[i * self.block_size:(i + 1) * self.block_size]
-            parent = hash_block_tokens(parent, tokens)
+            parent = hash_block_tokens(parent, tokens,
+                                       cache_salt=request.cache_salt if i == 0 else None)
             hashes.append(parent)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:

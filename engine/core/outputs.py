@@ -43,6 +43,9 @@ class EngineCoreRequest:
     # sample as if it had produced them (seeded draws by output position, penalties, min_tokens
     # and max_tokens count them).
     num_prior_outputs: int = 0
+    # Tenant isolation (vLLM's cache_salt): requests share prefix-cache blocks and KV-store
+    # chunks only with requests of the same salt. None = unsalted.
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -51,9 +51,11 @@ class Request:
         arrival_time: float = 0.0,
         priority: int = 0,
         num_prior_outputs: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         """`num_prior_outputs`: how many of the given token ids (at the end) are earlier outputs
-        of this sample, continued here (EngineCoreRequest.num_prior_outputs)."""
+        of this sample, continued here (EngineCoreRequest.num_prior_outputs). `cache_salt`
+        enters the first block's hash, so only requests of the same salt share blocks."""
         split = len(prompt_token_ids) - num_prior_outputs
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids[:split])
@@ -63,6 +65,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = list(prompt_token_ids[split:])
         self.num_prior_outputs = num_prior_outputs
+        self.cache_salt = cache_salt
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_hashes: list[bytes] = []
@@ -75,7 +78,8 @@ class Request:
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
-                   req.eos_token_id, req.arrival_time, req.priority, req.num_prior_outputs)
+                   req.eos_token_id, req.arrival_time, req.priority, req.num_prior_outputs,
+                   req.cache_salt)
 
     @property
     def num_prompt_tokens(self) -> int:

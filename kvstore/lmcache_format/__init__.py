@@ -30,6 +30,7 @@ from kvstore.lmcache_format.hashing import (
     chunk_keys,
     chunk_spans,
     hash_chunk,
+    salt_prefix_hash,
 )
 from kvstore.lmcache_format.keys import (
     CacheEngineKey,
@@ -78,6 +79,7 @@ __all__ = [
     "numpy_to_buffer",
     "parse_key",
     "payload_nbytes",
+    "salt_prefix_hash",
     "tags_from_request_configs",
     "tensor_to_buffer",
     "torch_dtype",

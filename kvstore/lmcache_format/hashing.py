@@ -11,10 +11,15 @@ with Python's builtin `hash` (LMCache's "builtin" algorithm, used whenever vLLM 
 hash of a tuple of ints does not depend on PYTHONHASHSEED, so any CPython 3.11 process on a
 64-bit host computes the same values. A hash function returning bytes (vLLM's sha256_cbor) is
 folded to an int from its first 8 bytes, big-endian, as LMCache does.
+
+A salted prompt (vLLM's `cache_salt`, pdserve's tenant isolation) starts its chain from
+`salt_prefix_hash(salt)` instead of NONE_HASH, so its chunk keys share nothing with unsalted
+prompts or other salts; an unsalted prompt keeps LMCache's exact keys.
 """
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -35,6 +40,14 @@ def hash_chunk(tokens: Iterable[int], prefix_hash: int = NONE_HASH, extra_keys: 
     if isinstance(value, bytes):
         return int.from_bytes(value[:8], "big")
     return value
+
+
+def salt_prefix_hash(cache_salt: str) -> int:
+    """The chain's h_0 for a salted prompt: the first 8 bytes of
+    SHA-256("pdserve.cache_salt.v1\\0" || salt), as a signed 64-bit int (the range of a builtin
+    hash), the same in every process."""
+    digest = hashlib.sha256(b"pdserve.cache_salt.v1\0" + cache_salt.encode()).digest()
+    return int.from_bytes(digest[:8], "big", signed=True)
 
 
 def chunk_spans(num_tokens: int, chunk_size: int = DEFAULT_CHUNK_SIZE,

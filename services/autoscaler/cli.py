@@ -15,6 +15,7 @@ import signal
 from typing import Any
 
 from services.autoscaler.local import add_autoscale_args, planner_config
+from services.router.api_keys import first_api_key
 
 
 def add_autoscaler_parser(subparsers: Any) -> None:
@@ -27,7 +28,9 @@ def add_autoscaler_parser(subparsers: Any) -> None:
                    help="minimum prefill workers (compose's own replicas count)")
     p.add_argument("--decode", type=int, default=int(os.environ.get("PDSERVE_MIN_DECODE", "1")),
                    help="minimum decode workers")
-    p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY") or None)
+    p.add_argument("--api-key", default=None,
+                   help="the router's API key (default: the first of $PDSERVE_API_KEY, "
+                        "$PDSERVE_API_KEY_FILE)")
     p.add_argument("--log-level", default="WARNING")
     add_autoscale_args(p)
     p.set_defaults(func=run_autoscaler)
@@ -49,7 +52,7 @@ async def _main(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     actuator = DockerActuator(args.project, socket_path=args.docker_socket)
-    observer = RouterObserver(args.router, args.api_key)
+    observer = RouterObserver(args.router, first_api_key(args.api_key))
     scaler = Autoscaler(observer, Planner(planner_config(args)), actuator,
                         AutoscalerOptions(interval_s=args.autoscale_interval_s, log_path=args.autoscale_log))
     print(f"pdserve autoscaler: project {args.project}, router {args.router}, prefill "

@@ -16,6 +16,7 @@ from services.autoscaler.actuators import LocalProcessActuator
 from services.autoscaler.loop import Autoscaler, AutoscalerOptions
 from services.autoscaler.observe import RouterObserver
 from services.autoscaler.planner import Planner, PlannerConfig
+from services.router.api_keys import first_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,8 @@ class AutoscalerThread:
         self.config = planner_config(args)
         self.options = AutoscalerOptions(interval_s=args.autoscale_interval_s, log_path=args.autoscale_log,
                                          decode_role=decode_role)
-        self.router_url, self.api_key = router_url, args.api_key
+        self.router_url = router_url
+        self.api_key = first_api_key(args.api_key, getattr(args, "api_key_file", None))
         self.actuator = LocalProcessActuator(worker_args, host=args.host, cpus=cpus,
                                              role_args=role_args, supervisor=supervisor)
         self._loop: asyncio.AbstractEventLoop | None = None

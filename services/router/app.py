@@ -14,7 +14,6 @@ body sizes and read times; serve it with `services.router.edge.serve`.
 from __future__ import annotations
 
 import gc
-import hmac
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -50,6 +49,7 @@ from services.router.openai_models import (
 from services.router.other_endpoints import endpoints_router
 from services.router.prompt_render import echo_chars
 from services.router.render import Reply, respond
+from services.router.tenants import ApiKeyAuth, request_salt
 from services.router.tokens_api import tokens_router
 from services.router.unsupported import log_ignored
 
@@ -177,8 +177,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     # body limit outermost, so no handler ever reads more than max_body_bytes.
     app.add_middleware(HotPath, handlers={"/v1/completions": _from_bytes(CompletionRequest, completions),
                                           "/v1/chat/completions": _from_bytes(ChatCompletionRequest, chat)})
-    if config.api_key:
-        _require_api_key(app, config.api_key)
+    if config.api_keys:
+        app.add_middleware(ApiKeyAuth, keys=config.api_keys, tenants=config.tenant_cache_salt)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     return app
 
@@ -196,7 +196,8 @@ async def _echo_texts(gen: Generator, body: CompletionRequest, prompts: list[lis
 def _options(body: CompletionRequest | ChatCompletionRequest, params: SamplingParams,
              best_of: int | None = None) -> RunOptions:
     return RunOptions(params, body.n, best_of, tuple(body.stop_strings), body.include_stop_str_in_output,
-                      body.skip_special_tokens, body.spaces_between_special_tokens, body.priority)
+                      body.skip_special_tokens, body.spaces_between_special_tokens, body.priority,
+                      request_salt(body.cache_salt))
 
 
 async def _run(reply: Reply, prompts: list[list[int]], opts: RunOptions, stream: bool
@@ -226,23 +227,6 @@ def _from_bytes(model: type[_Body], endpoint: Callable[[_Body], Awaitable[Respon
             return e.response()
 
     return handle
-
-
-def _require_api_key(app: FastAPI, api_key: str) -> None:
-    """`/v1/*`, `/admin/*`, `/tokenize` and `/detokenize` answer 401 without `Authorization: Bearer
-    <api_key>` (as vLLM's --api-key); `/health`, `/ping`, `/livez`, `/version` and `/metrics` stay
-    open for probes and scrapers."""
-    expected = f"Bearer {api_key}".encode()
-
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith(("/v1", "/admin", "/tokenize", "/detokenize")):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer "
-                                        "<key>'", code="invalid_api_key").response()
-        response: Response = await call_next(request)
-        return response
 
 
 def _version() -> str:

@@ -117,6 +117,7 @@ class _Sample:
     hashes: Sequence[int]
     deadline: float
     priority: int = 0
+    cache_salt: str = ""
     generated: list[int] = field(default_factory=list)  # tokens already streamed to the caller
     migrations: int = 0
     failed: dict[str, float] = field(default_factory=dict)  # worker -> when the sample failed there
@@ -171,17 +172,19 @@ class Dispatcher:
             logger.warning("%d calls in flight on %s are moved elsewhere", n, w.target)
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncGenerator[Step, None]:
+                       priority: int = 0, cache_salt: str = "") -> AsyncGenerator[Step, None]:
         """The sample's tokens as they come. Closing the iterator early cancels the decode call.
-        `priority` is the workers' scheduling priority (lower first)."""
+        `priority` is the workers' scheduling priority (lower first); `cache_salt` goes to every
+        call of the sample (prefill, decode, migrations) and into its prefix-index hashes."""
         assert params.max_tokens is not None
-        hashes = block_hashes(prompt_ids, self.options.block_size)
+        hashes = block_hashes(prompt_ids, self.options.block_size, cache_salt)
         # a prompt_logprobs request computes its whole prompt wherever it runs: not in a decode batch
         local = self._local_prefill(prompt_ids, hashes) if params.prompt_logprobs is None else None
         first: PrefillResult | None = None
         announced = False
         if local is None:
-            async with aclosing(self._prefill(request_id, prompt_ids, params, hashes, priority)) as items:
+            async with aclosing(self._prefill(request_id, prompt_ids, params, hashes, priority,
+                                              cache_salt)) as items:
                 async for item in items:
                     if isinstance(item, PrefillResult):
                         first = item
@@ -189,7 +192,7 @@ class Dispatcher:
                         announced = True
                         yield item
         sample = _Sample(request_id, prompt_ids, params, None, hashes,
-                         time.monotonic() + self.options.decode_timeout_s, priority)
+                         time.monotonic() + self.options.decode_timeout_s, priority, cache_salt)
         if first is not None:
             done = params.max_tokens == 1 or first.finish_reason == "stop"
             yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
@@ -226,7 +229,8 @@ class Dispatcher:
         return pick
 
     async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       hashes: Sequence[int], priority: int) -> AsyncGenerator[Step | PrefillResult, None]:
+                       hashes: Sequence[int], priority: int, cache_salt: str = ""
+                       ) -> AsyncGenerator[Step | PrefillResult, None]:
         """An empty Step once a prefill worker has accepted the request, then the prefill's
         result; no result when the decode worker should compute the prompt."""
         if self.prefill is None:
@@ -243,8 +247,8 @@ class Dispatcher:
             self.prefill.acquire(worker, hashes)
             done = False
             try:
-                async with aclosing(self._prefill_on(worker, request_id, prompt_ids, params,
-                                                     priority, announce=not announced)) as items:
+                async with aclosing(self._prefill_on(worker, request_id, prompt_ids, params, priority,
+                                                     cache_salt, announce=not announced)) as items:
                     async for item in items:
                         announced = announced or isinstance(item, Step)
                         done = isinstance(item, PrefillResult)
@@ -266,11 +270,12 @@ class Dispatcher:
         self._on_decision("fallback")
 
     async def _prefill_on(self, worker: WorkerState, request_id: str, prompt_ids: list[int],
-                          params: SamplingParams, priority: int, announce: bool
+                          params: SamplingParams, priority: int, cache_salt: str, announce: bool
                           ) -> AsyncGenerator[Step | PrefillResult, None]:
         """One prefill attempt: an empty Step once accepted (with `announce`), then the result."""
         call = worker.client.start_prefill(request_id, prompt_ids, params, transfer_id=uuid.uuid4().hex,
-                                           timeout_s=self.options.prefill_timeout_s, priority=priority)
+                                           timeout_s=self.options.prefill_timeout_s, priority=priority,
+                                           cache_salt=cache_salt)
         attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=False))
         try:
             with _ended_by_router(attempt):
@@ -320,7 +325,7 @@ class Dispatcher:
             params = replace(sample.params, prompt_logprobs=None) if sample.generated else sample.params
             call = worker.client.start_decode(rid, ids, params, sample.kv, timeout_s=remaining,
                                               announce=announce, num_output_tokens=len(sample.generated),
-                                              priority=sample.priority)
+                                              priority=sample.priority, cache_salt=sample.cache_salt)
             attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=True))
             try:
                 async with aclosing(call.chunks()) as chunks:

@@ -35,6 +35,7 @@ class RunOptions:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0  # the workers' scheduling priority (lower first)
+    cache_salt: str = ""  # the effective salt (tenant and request): KV shared only within it
 
     @property
     def per_prompt(self) -> int:

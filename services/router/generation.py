@@ -253,7 +253,8 @@ class Generator:
         hold_back = 0 if include_stop else max((len(s) for s in stops), default=1) - 1
         text, sent, num_tokens, token_chars = "", 0, 0, 0
         start = last = time.perf_counter()
-        async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params, opts.priority)) as steps:
+        async with aclosing(self.dispatcher.generate(request_id, prompt_ids, params, opts.priority,
+                                                         opts.cache_salt)) as steps:
             async for step in steps:
                 if step.accepted:  # a worker has the sample: nothing to say yet
                     yield Delta(index, "", [], [], None, num_tokens, 0)

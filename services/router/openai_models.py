@@ -97,6 +97,9 @@ class _SamplingFields(BaseModel):
     bad_words: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=200)]],
                          Field(max_length=MAX_STOP_STRINGS)] | None = None
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX), BeforeValidator(_json_integer)] = 0
+    # vLLM's: KV (prefix cache, KV store) is shared only among requests of the same salt; the
+    # router combines it with the caller's tenant salt (--tenant-cache-salt).
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=1024)] | None = None
     # vLLM's: each prompt token's logprob and the top-N there (not with stream for N > 0, as vLLM)
     prompt_logprobs: TopLogprobs | None = None
     # vLLM's detokenization options, applied where the router turns token ids into text.

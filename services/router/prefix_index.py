@@ -15,10 +15,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `token_ids`."""
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
+    """Chained hashes of the full blocks of `token_ids`; a salted chain starts from the salt, as
+    the workers' prefix caches do, so a prompt never matches another salt's blocks."""
     out: list[int] = []
-    prev = 0
+    prev = hash(("cache_salt", cache_salt)) if cache_salt else 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         prev = hash((prev, tuple(token_ids[start:start + block_size])))
         out.append(prev)

@@ -70,7 +70,6 @@ _SAMPLING: dict[str, tuple[NoOp, str]] = {
     "guided_decoding_backend": (_absent, "picks a structured-output backend"),
     "guided_whitespace_pattern": (_absent, "sets structured outputs' whitespace"),
     "response_format": (_text_format, "constrains the output format"),
-    "cache_salt": (_absent, "isolates the request's prefix cache"),
     "kv_transfer_params": (_absent, "takes part in an external KV transfer"),
     "vllm_xargs": (_empty, "passes extra arguments to custom extensions"),
 }

@@ -221,23 +221,24 @@ class WorkerClient:
 
     def start_prefill(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                       transfer_id: str = "", timeout_s: float | None = None,
-                      priority: int = 0) -> PrefillCall:
-        """`prefill` as a call in flight: `accepted()`, then `result()`; `cancel()` ends it early."""
+                      priority: int = 0, cache_salt: str = "") -> PrefillCall:
+        """`prefill` as a call in flight: `accepted()`, then `result()`; `cancel()` ends it early.
+        `cache_salt`: the request's KV is shared only with requests of the same salt."""
         return PrefillCall(self.target, self._prefill(pb.PrefillRequest(
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
-            transfer_id=transfer_id, priority=priority), timeout=timeout_s))
+            transfer_id=transfer_id, priority=priority, cache_salt=cache_salt), timeout=timeout_s))
 
     def start_decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,
                      timeout_s: float | None = None, announce: bool = False,
-                     num_output_tokens: int = 0, priority: int = 0) -> DecodeCall:
+                     num_output_tokens: int = 0, priority: int = 0, cache_salt: str = "") -> DecodeCall:
         """`decode` as a call in flight: iterate `chunks()`; `cancel()` ends it from elsewhere.
         `num_output_tokens`: how many of `token_ids` (at the end) are the sample's earlier
         outputs (DecodeRequest.num_output_tokens; `params` are the whole sample's then)."""
         call = self.stub.Decode(pb.DecodeRequest(
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
             kv_transfer=kv_params_to_proto(kv_transfer_params), num_output_tokens=num_output_tokens,
-            priority=priority), timeout=timeout_s)
+            priority=priority, cache_salt=cache_salt), timeout=timeout_s)
         return DecodeCall(self.target, call, announce)
 
     async def decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,

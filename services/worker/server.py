@@ -34,6 +34,7 @@ from engine.connector.transfer_params import check_transfer_params
 from engine.core.outputs import EngineStats
 from engine.core_client import EngineDeadError
 from engine.outputs import RequestOutput
+from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
@@ -143,7 +144,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         ids, params = await _parse(context, parse)
         final: RequestOutput | None = None
-        async for out in self._generate(context, request.request_id, ids, params, request.priority):
+        async for out in self._generate(context, request.request_id, ids, params, request.priority,
+                                        cache_salt=request.cache_salt):
             final = out
         assert final is not None and final.finished
         sample = final.outputs[0]
@@ -184,7 +186,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         ids, params = await _parse(context, parse)
         completion_tokens = 0
         outputs = self._generate(context, request.request_id, ids, params, request.priority,
-                                 request.num_output_tokens)
+                                 request.num_output_tokens, request.cache_salt)
         async for out in with_heartbeats(outputs, self.heartbeat_s,
                                          lambda: self.guard.core_alive(self.heartbeat_s)):
             if out is None:  # nothing new for a while, the engine alive: tell the caller
@@ -247,11 +249,12 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return self._stats if not engine.errored else None
 
     async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
-                        params: SamplingParams, priority: int = 0, num_prior_outputs: int = 0
-                        ) -> AsyncIterator[RequestOutput]:
+                        params: SamplingParams, priority: int = 0, num_prior_outputs: int = 0,
+                        cache_salt: str = "") -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request; errors become status codes, cancel aborts. The
         call's initial metadata goes out as soon as the engine has the request, so the client
-        knows it was accepted before the first token (the router starts its HTTP response there)."""
+        knows it was accepted before the first token (the router starts its HTTP response there).
+        A non-empty `cache_salt` keeps the request's KV apart from other salts'."""
         engine = await self._engine(context)
         if not request_id:
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
@@ -259,7 +262,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await _fail(context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running")
         self._active.add(request_id)
         try:
-            async for out in engine.generate(ids, params, request_id, priority=priority,
+            prompt: PromptType = {"prompt_token_ids": ids, "cache_salt": cache_salt} if cache_salt else ids
+            async for out in engine.generate(prompt, params, request_id, priority=priority,
                                              on_added=lambda: context.send_initial_metadata(()),
                                              num_prior_outputs=num_prior_outputs):
                 yield out

@@ -128,11 +128,32 @@ def test_logprobs_match_transformers_log_softmax(llm, tiny_model_dir):
     assert sample.cumulative_logprob == pytest.approx(total, abs=1e-3)
 
 
+def test_cache_salt_separates_prefix_cache_hits_but_never_changes_tokens(llm):
+    prompt = [300 + (7 * i) % 97 for i in range(40)]  # two full blocks of 16 and a tail
+
+    def run(salt: str | None) -> tuple[list[int], int]:
+        p = {"prompt_token_ids": prompt} if salt is None else {"prompt_token_ids": prompt,
+                                                                "cache_salt": salt}
+        (out,) = llm.generate(p, GREEDY, use_tqdm=False)
+        return list(out.outputs[0].token_ids), out.num_cached_tokens or 0
+
+    llm.engine_core.reset_prefix_cache()
+    plain, _ = run(None)
+    runs = {salt: run(salt) for salt in ("tenant-a", "tenant-b")}
+    assert {tokens == plain for tokens, _ in runs.values()} == {True}  # caching only, not tokens
+    assert [hit for _, hit in runs.values()] == [0, 0]  # neither hits the unsalted or each other
+    assert run("tenant-a") == (plain, 32)  # a repeat with the same salt hits its own blocks
+    assert run(None) == (plain, 32)  # and the unsalted prompt still hits its own
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize(("prompts", "message"), [
     ([PROMPTS[0], []], "prompt must not be empty"),
     ([PROMPTS[0], [1] * 200], "longer than max_model_len=128"),
     ([PROMPTS[0], [10**6]], "out of range"),
     ([], "prompts must be"),
+    ([{"prompt_token_ids": PROMPTS[0], "cache_salt": ""}], "cache_salt must be a non-empty string"),
+    ([{"prompt_token_ids": PROMPTS[0], "salt": "x"}], "unknown keys"),
 ])
 def test_bad_input_raises_before_anything_is_queued(llm, prompts, message):
     with pytest.raises(ValueError, match=message):

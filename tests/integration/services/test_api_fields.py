@@ -29,7 +29,7 @@ USED: dict[str, Any] = {
     "return_tokens_as_token_ids": True, "structured_outputs": {"regex": "[a-z]+"},
     "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
     "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ", "response_format": {"type": "json_object"}, "cache_salt": "s",
+    "guided_whitespace_pattern": " ", "response_format": {"type": "json_object"},
     "kv_transfer_params": {"do_remote_prefill": True}, "vllm_xargs": {"k": 1},
     "suffix": " and that is all.", "best_of": 3,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],

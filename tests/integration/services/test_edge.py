@@ -139,7 +139,7 @@ def test_clients_that_send_half_a_request_get_408_and_are_dropped(router: Served
 @in_module_loop
 async def test_an_oversized_chunked_body_is_a_413_whatever_the_content_type_or_key(
         workers: dict[str, WorkerServer], model_dir: Path) -> None:
-    config = RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, api_key="k",
+    config = RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, api_keys=("k",),
                           dispatch=DispatchOptions(decode=(workers["colocated"].target,)))
 
     async def chunks() -> object:

@@ -32,7 +32,7 @@ def config(model_dir: Path, dispatch: DispatchOptions, **kw: object) -> RouterCo
 async def test_api_key_guards_v1_but_not_health_or_metrics(workers: dict[str, WorkerServer],
                                                            model_dir: Path) -> None:
     dispatch = DispatchOptions(decode=(workers["colocated"].target,))
-    with ServedRouter(config(model_dir, dispatch, api_key="s3cret")) as served:
+    with ServedRouter(config(model_dir, dispatch, api_keys=("s3cret",))) as served:
         async with openai.AsyncOpenAI(base_url=served.base_url, api_key="wrong", max_retries=0) as bad:
             with pytest.raises(openai.AuthenticationError) as err:
                 await bad.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
@@ -49,6 +49,63 @@ async def test_api_key_guards_v1_but_not_health_or_metrics(workers: dict[str, Wo
         async with openai.AsyncOpenAI(base_url=served.base_url, api_key="s3cret", max_retries=0) as good:
             out = await good.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=0)
             assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+TENANT_PROMPT = "A private contract between the two parties states that " * 8  # several blocks
+
+
+async def _cached(c: openai.AsyncOpenAI, salt: str | None = None) -> tuple[str, int]:
+    """(text, cached prompt tokens) of TENANT_PROMPT, greedy, with `salt` as its cache_salt."""
+    out = await c.completions.create(model=MODEL, prompt=TENANT_PROMPT, max_tokens=4, temperature=0,
+                                     extra_body={"cache_salt": salt} if salt is not None else None)
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None
+    return out.choices[0].text, out.usage.prompt_tokens_details.cached_tokens or 0
+
+
+@in_module_loop
+async def test_with_tenant_cache_salt_a_tenant_cannot_probe_another_tenant_s_cache(
+        workers: dict[str, WorkerServer], model_dir: Path, tmp_path: Path) -> None:
+    from services.router.api_keys import load_api_keys
+    from services.router.tenants import tenant_salt
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# one key per tenant\nkey-alice\nkey-bob  # second tenant\n")
+    keys = load_api_keys(None, str(key_file), {})
+    dispatch = DispatchOptions(decode=(workers["colocated"].target,))
+    with ServedRouter(config(model_dir, dispatch, api_keys=keys, tenant_cache_salt=True)) as served:
+        def client(key: str) -> openai.AsyncOpenAI:
+            return openai.AsyncOpenAI(base_url=served.base_url, api_key=key, max_retries=0, timeout=60)
+
+        async with client("key-alice") as alice, client("key-bob") as bob, client("key-eve") as eve:
+            first = await _cached(alice)
+            assert first[1] == 0
+            assert await _cached(bob) == (first[0], 0)  # same tokens, nothing of alice's KV
+            # naming alice's tenant salt as a cache_salt still lands in bob's own space
+            assert await _cached(bob, tenant_salt("key-alice")) == (first[0], 0)
+            text, hit = await _cached(alice)
+            assert text == first[0] and hit >= 48
+            with pytest.raises(openai.AuthenticationError):
+                await _cached(eve)
+
+
+@in_module_loop
+@pytest.mark.parametrize("split", [False, True], ids=["colocated", "split"])
+async def test_cache_salt_separates_cached_prefixes_and_never_changes_tokens(
+        workers: dict[str, WorkerServer], model_dir: Path, split: bool) -> None:
+    dispatch = (DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,))
+                if split else DispatchOptions(decode=(workers["colocated"].target,)))
+    with ServedRouter(config(model_dir, dispatch)) as served:
+        async with openai.AsyncOpenAI(base_url=served.base_url, api_key="x", max_retries=0) as c:
+            tag = f"salt-{split}"
+            first = await _cached(c, f"{tag}-1")
+            assert first[1] == 0
+            assert await _cached(c, f"{tag}-2") == (first[0], 0)
+            text, hit = await _cached(c, f"{tag}-1")
+            assert text == first[0] and hit >= 48
+            assert (await _cached(c))[0] == first[0]  # unsalted: the same tokens
+            with pytest.raises(openai.BadRequestError) as e:
+                await _cached(c, "")
+            assert e.value.param == "cache_salt"
 
 
 @in_module_loop

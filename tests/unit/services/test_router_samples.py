@@ -30,7 +30,7 @@ class ScriptedDispatcher:
         self.calls: list[tuple[str, list[int], SamplingParams]] = []
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncGenerator[Step, None]:
+                       priority: int = 0, cache_salt: str = "") -> AsyncGenerator[Step, None]:
         self.calls.append((request_id, prompt_ids, params))
         ids = self.token_ids
         for i in range(0, len(ids), self.chunk):

@@ -32,6 +32,28 @@ def test_equal_blocks_after_different_prefixes_hash_differently() -> None:
     assert block_hashes_for([1, 2, 3, 4, 9, 9, 9, 9], 4) == a
 
 
+def test_cache_salt_enters_the_first_block_so_the_whole_chain_differs() -> None:
+    tokens = list(range(12))
+    plain = block_hashes_for(tokens, 4)
+    a = block_hashes_for(tokens, 4, cache_salt="a")
+    assert a[0] == hash_block_tokens(NONE_HASH, tokens[:4], cache_salt="a")
+    assert a[1] == hash_block_tokens(a[0], tokens[4:8])  # later blocks chain as usual
+    b = block_hashes_for(tokens, 4, cache_salt="b")
+    assert len({*plain, *a, *b}) == 9  # no block shared between salts, or with no salt
+    assert block_hashes_for(tokens, 4, cache_salt="a") == a
+
+
+def test_a_salted_request_hits_only_blocks_of_its_own_salt() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(9))
+    first = Request("a", tokens, SamplingParams(max_tokens=8), cache_salt="t1")
+    kv.allocate_slots(first, 9)
+    assert first.block_hashes == block_hashes_for(tokens, 4, cache_salt="t1")
+    for salt, hit in ((None, 0), ("t2", 0), ("t1", 8)):
+        other = Request(f"b-{salt}", tokens, SamplingParams(max_tokens=8), cache_salt=salt)
+        assert kv.get_computed_blocks(other)[1] == hit
+
+
 def test_allocate_assigns_blocks_in_free_queue_order() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     req = make_request("a", list(range(10)))

@@ -1,0 +1,60 @@
+"""API keys from the environment, a key file and argv; tenant salts and effective salts; the
+router's prefix-index hashes include the salt."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import pytest
+
+from services.router.api_keys import first_api_key, load_api_keys
+from services.router.config import RouterConfig
+from services.router.prefix_index import block_hashes
+from services.router.tenants import effective_salt, tenant_salt
+
+
+def test_keys_come_from_the_variable_the_file_and_argv_in_that_order(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tmp_path / "keys"
+    path.write_text("# tenants\nkey-b\n\n  key-c  # the second tenant\nkey-a\n")
+    env = {"PDSERVE_API_KEY": "key-a, key-x,"}
+    assert load_api_keys(None, str(path), env) == ("key-a", "key-x", "key-b", "key-c")
+    assert load_api_keys(None, None, {"PDSERVE_API_KEY_FILE": str(path)}) == ("key-b", "key-c", "key-a")
+    with caplog.at_level(logging.WARNING):
+        assert load_api_keys("key-z", None, {}) == ("key-z",)
+    assert "visible to other users" in caplog.text
+    assert load_api_keys(None, None, {}) == ()
+    assert first_api_key(None, str(path), env) == "key-a"
+    assert first_api_key(None, None, {}) is None
+
+
+def test_a_tenant_salt_is_a_domain_separated_hash_never_the_key() -> None:
+    salt = tenant_salt("s3cret")
+    assert salt == hashlib.sha256(b"pdserve.router.tenant-cache-salt.v1\0s3cret").hexdigest()
+    assert "s3cret" not in salt and salt != tenant_salt("s3cret2")
+
+
+def test_no_request_salt_can_give_another_tenant_s_effective_salt() -> None:
+    a, b = tenant_salt("key-a"), tenant_salt("key-b")
+    assert effective_salt(None, None) == "" and effective_salt(None, "x") == "x"
+    assert effective_salt(a, None) == a
+    # Tenant b naming tenant a's salt (or a's combined one) still gets a salt of its own.
+    reachable_by_b = {effective_salt(b, s) for s in (None, a, effective_salt(a, "x"), "x")}
+    assert not reachable_by_b & {a, effective_salt(a, "x"), effective_salt(a, a)}
+
+
+def test_router_config_needs_keys_for_tenants() -> None:
+    with pytest.raises(ValueError, match="tenant_cache_salt"):
+        RouterConfig(model="m", tokenizer="m", tenant_cache_salt=True)
+    with pytest.raises(ValueError, match="api_keys"):
+        RouterConfig(model="m", tokenizer="m", api_keys=("",))
+    RouterConfig(model="m", tokenizer="m", api_keys=("a", "b"), tenant_cache_salt=True)
+
+
+def test_prefix_index_hashes_of_a_salted_prompt_share_nothing_with_other_salts() -> None:
+    tokens = list(range(48))
+    plain, s1, s2 = (block_hashes(tokens, 16, s) for s in ("", "s1", "s2"))
+    assert len({*plain, *s1, *s2}) == 9
+    assert block_hashes(tokens, 16, "s1") == s1
