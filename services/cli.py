@@ -142,6 +142,15 @@ def _add_worker(subparsers: Any) -> None:
     p.add_argument("--reuse-port", action="store_true",
                    help="let several worker processes share --port (SO_REUSEPORT); by default a "
                         "taken port is an error")
+    a = p.add_argument_group("security (the token comes from $PDSERVE_WORKER_TOKEN or "
+                             "$PDSERVE_WORKER_TOKEN_FILE, never argv)")
+    a.add_argument("--tls-cert", default=None, metavar="PATH", help="serve TLS with this certificate (PEM)")
+    a.add_argument("--tls-key", default=None, metavar="PATH", help="the --tls-cert's private key (PEM)")
+    a.add_argument("--tls-client-ca", default=None, metavar="PATH",
+                   help="mutual TLS: clients need a certificate this CA signed")
+    a.add_argument("--no-auth", action="store_true",
+                   help="allow a non-loopback --host with neither token nor client certificates "
+                        "(a trusted network only)")
     g = p.add_argument_group("health (the engine core is watched; see docs/operations.md)")
     g.add_argument("--heartbeat-s", type=float, default=1.0,
                    help="a Decode stream with nothing new gets an empty chunk this often")
@@ -175,7 +184,9 @@ def worker_engine_config(args: argparse.Namespace) -> Any:
 def _run_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvstore.credentials import TLSFiles, read_secret
     from services.procs import PortInUseError
+    from services.worker.auth import TOKEN_ENV, ExposedWorkerError
     from services.worker.engine_guard import GuardOptions
     from services.worker.server import WorkerOptions, serve
 
@@ -186,10 +197,12 @@ def _run_worker(args: argparse.Namespace) -> int:
     options = WorkerOptions(role=args.role, engine=engine, host=args.host, port=port, grace_s=args.grace_s,
                             metrics_port=args.metrics_port, heartbeat_s=args.heartbeat_s,
                             reuse_port=args.reuse_port, guard=guard,
-                            served_model_name=args.served_model_name)
+                            served_model_name=args.served_model_name, token=read_secret(TOKEN_ENV),
+                            tls=TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
+                            no_auth=args.no_auth)
     try:
         return asyncio.run(serve(options))
-    except PortInUseError as e:
+    except (PortInUseError, ExposedWorkerError) as e:
         print(f"pdserve worker: {e}", file=sys.stderr)
         return 1
 
