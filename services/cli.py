@@ -242,26 +242,40 @@ def _add_router(subparsers: Any) -> None:
     p.add_argument("--fd", type=int, default=None,
                    help="serve on this inherited listening socket instead of binding --host/--port "
                         "(pdserve up holds the port across router restarts)")
+    p.add_argument("--disable-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json (with an API key they need it)")
+    w = p.add_argument_group("workers (the token comes from $PDSERVE_WORKER_TOKEN or "
+                             "$PDSERVE_WORKER_TOKEN_FILE, never argv)")
+    w.add_argument("--worker-tls-ca", default=os.environ.get("PDSERVE_WORKER_TLS_CA"), metavar="PATH",
+                   help="reach workers over TLS, verified by this CA (default: $PDSERVE_WORKER_TLS_CA)")
+    w.add_argument("--worker-tls-cert", default=os.environ.get("PDSERVE_WORKER_TLS_CERT"), metavar="PATH",
+                   help="client certificate for workers' mutual TLS (default: $PDSERVE_WORKER_TLS_CERT)")
+    w.add_argument("--worker-tls-key", default=os.environ.get("PDSERVE_WORKER_TLS_KEY"), metavar="PATH",
+                   help="the --worker-tls-cert's key (default: $PDSERVE_WORKER_TLS_KEY)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run_router)
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    from kvstore.credentials import TLSFiles, read_secret
     from services.procs import PortInUseError
     from services.router.app import RouterConfig, create_app
     from services.router.dispatch import DispatchOptions
     from services.router.edge import bind, serve
+    from services.worker.auth import TOKEN_ENV, WorkerAccess
 
     dispatch = DispatchOptions(prefill=tuple(args.prefill), decode=tuple(args.decode),
                                prefill_timeout_s=args.prefill_timeout_s,
                                decode_timeout_s=args.decode_timeout_s, prefill_policy=args.policy,
                                decode_policy=args.policy, local_prefill_tokens=args.local_prefill_tokens,
-                               stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations)
+                               stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations,
+                               worker_access=WorkerAccess(read_secret(TOKEN_ENV), TLSFiles(
+                                   args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca)))
     config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
                           max_model_len=args.max_model_len, dispatch=dispatch, api_key=args.api_key,
                           max_waiting=args.max_waiting, max_inflight=args.max_inflight,
                           max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
-                          body_timeout_s=args.body_timeout_s)
+                          body_timeout_s=args.body_timeout_s, disable_docs=args.disable_docs)
     try:
         if args.fd is None:
             bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads

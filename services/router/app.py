@@ -87,7 +87,9 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
             state["gen"].close()
             await dispatcher.close()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    docs = not config.disable_docs
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     _add_error_handlers(app)
 
     @app.get("/health", responses=HEALTH_RESPONSES)
@@ -236,7 +238,8 @@ def _require_api_key(app: FastAPI, api_key: str) -> None:
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith(("/v1", "/admin", "/tokenize", "/detokenize")):
+        if request.url.path.startswith(("/v1", "/admin", "/tokenize", "/detokenize", "/docs", "/redoc",
+                                        "/openapi.json")):
             given = request.headers.get("authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer "
