@@ -174,7 +174,7 @@ class WorkerPool:
                 logger.warning("%s pool: resolving %s failed: %s", self.role, name, e)
                 continue
             for target in sorted(found - self._found[name]):
-                self.add(target)
+                self.add(target, server_name=host)
                 self._discovered.add(target)
             for target in self._found[name] - found:
                 self.drain(target)
@@ -234,12 +234,13 @@ class WorkerPool:
     def find(self, target: str) -> WorkerState | None:
         return next((w for w in self.workers if w.target == target), None)
 
-    def add(self, target: str) -> WorkerState:
-        """Adds a worker (or stops draining a known one); it takes requests after its first report."""
+    def add(self, target: str, server_name: str | None = None) -> WorkerState:
+        """Adds a worker (or stops draining a known one); it takes requests after its first report.
+        `server_name`: the name `target` was resolved from (its TLS certificate names that)."""
         w = self.find(target)
         if w is None:
-            w = WorkerState(WorkerClient(target, self.access), PrefixIndex(self.options.block_size),
-                            healthy=False)
+            w = WorkerState(WorkerClient(target, self.access, server_name),
+                            PrefixIndex(self.options.block_size), healthy=False)
             self.workers.append(w)
             logger.warning("%s worker %s added", self.role, target)
             if self._refresher.running:

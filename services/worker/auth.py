@@ -125,11 +125,15 @@ class WorkerAccess:
             return None
         return grpc.ssl_channel_credentials(_read(self.tls.ca), _read(self.tls.key), _read(self.tls.cert))
 
-    def aio_channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    def aio_channel(self, target: str, options: Sequence[tuple[str, Any]] = (),
+                    server_name: str | None = None) -> grpc.aio.Channel:
+        """`server_name`: the name the worker's certificate must carry when `target` is an
+        address a name resolved to (the router's `dns:` targets); default: the target's host."""
         credentials = self.channel_credentials()
         if credentials is None:
             return grpc.aio.insecure_channel(target, options=list(options))
-        return grpc.aio.secure_channel(target, credentials, options=list(options))
+        named = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        return grpc.aio.secure_channel(target, credentials, options=[*options, *named])
 
     def channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
         """A blocking channel (readiness probes)."""

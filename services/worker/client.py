@@ -197,13 +197,15 @@ async def _accepted(call: Any) -> bool:
 
 class WorkerClient:
     """One channel to one worker. `params.max_tokens` must be set (n and stop strings are not sent).
-    `access`: the token and TLS files (None = WorkerAccess.from_env())."""
+    `access`: the token and TLS files (None = WorkerAccess.from_env()); `server_name`: the name
+    the worker's TLS certificate carries, when `target` is an address that name resolved to."""
 
-    def __init__(self, target: str, access: WorkerAccess | None = None) -> None:
+    def __init__(self, target: str, access: WorkerAccess | None = None, server_name: str | None = None
+                 ) -> None:
         self.target = target
         access = access if access is not None else WorkerAccess.from_env()
         self._metadata = access.metadata
-        self.channel = access.aio_channel(target, MESSAGE_SIZE_OPTIONS)
+        self.channel = access.aio_channel(target, MESSAGE_SIZE_OPTIONS, server_name)
         self.stub = pb_grpc.WorkerStub(self.channel)
         # Prefill called as a server stream of one reply: the same bytes on the wire, but unlike a
         # unary call (one batch of operations in grpc.aio) its initial metadata can be read alone.

@@ -150,6 +150,13 @@ async def test_a_tls_worker_answers_clients_trusting_its_ca_and_not_plain_text(c
         async with WorkerClient(server.target, WorkerAccess()) as plain:
             with pytest.raises(WorkerError, match="UNAVAILABLE"):
                 await plain.load(timeout_s=5)
+        # An address a `dns:` name resolved to is checked against that name, not the address.
+        trusting = WorkerAccess(tls=TLSFiles(ca=certs.ca))
+        async with WorkerClient(server.target, trusting, server_name="localhost") as named:
+            assert not (await named.load(timeout_s=10)).serving
+        async with WorkerClient(server.target, trusting, server_name="other.example") as misnamed:
+            with pytest.raises(WorkerError, match="UNAVAILABLE"):
+                await misnamed.load(timeout_s=5)
     finally:
         await server.server.stop(None)
 
