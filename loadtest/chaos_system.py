@@ -149,7 +149,9 @@ class System:
 
         from protos import worker_pb2 as pb
         from protos import worker_pb2_grpc as pb_grpc
+        from services.worker.auth import WorkerAccess
 
+        access = WorkerAccess.from_env()  # the token and TLS files `pdserve up` gave its workers
         verdicts: dict[str, str] = {}
         deadline = time.monotonic() + timeout_s
         for comp in self.components():
@@ -157,8 +159,9 @@ class System:
                 continue
             while True:
                 try:
-                    with grpc.insecure_channel(comp["target"]) as ch:
-                        r = pb_grpc.WorkerStub(ch).Load(pb.LoadRequest(), timeout=2)
+                    with access.channel(comp["target"]) as ch:
+                        r = pb_grpc.WorkerStub(ch).Load(pb.LoadRequest(), timeout=2,
+                                                        metadata=access.metadata)
                     state = (f"running={r.num_running} waiting={r.num_waiting} "
                              f"blocks in use={r.num_total_blocks - r.num_free_blocks}")
                     if r.num_running == r.num_waiting == 0 and r.num_free_blocks == r.num_total_blocks:

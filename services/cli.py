@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -141,6 +142,15 @@ def _add_worker(subparsers: Any) -> None:
     p.add_argument("--reuse-port", action="store_true",
                    help="let several worker processes share --port (SO_REUSEPORT); by default a "
                         "taken port is an error")
+    a = p.add_argument_group("security (the token comes from $PDSERVE_WORKER_TOKEN or "
+                             "$PDSERVE_WORKER_TOKEN_FILE, never argv)")
+    a.add_argument("--tls-cert", default=None, metavar="PATH", help="serve TLS with this certificate (PEM)")
+    a.add_argument("--tls-key", default=None, metavar="PATH", help="the --tls-cert's private key (PEM)")
+    a.add_argument("--tls-client-ca", default=None, metavar="PATH",
+                   help="mutual TLS: clients need a certificate this CA signed")
+    a.add_argument("--no-auth", action="store_true",
+                   help="allow a non-loopback --host with neither token nor client certificates "
+                        "(a trusted network only)")
     g = p.add_argument_group("health (the engine core is watched; see docs/operations.md)")
     g.add_argument("--heartbeat-s", type=float, default=1.0,
                    help="a Decode stream with nothing new gets an empty chunk this often")
@@ -174,7 +184,9 @@ def worker_engine_config(args: argparse.Namespace) -> Any:
 def _run_worker(args: argparse.Namespace) -> int:
     import asyncio
 
+    from kvstore.credentials import TLSFiles, read_secret
     from services.procs import PortInUseError
+    from services.worker.auth import TOKEN_ENV, ExposedWorkerError
     from services.worker.engine_guard import GuardOptions
     from services.worker.server import WorkerOptions, serve
 
@@ -185,10 +197,12 @@ def _run_worker(args: argparse.Namespace) -> int:
     options = WorkerOptions(role=args.role, engine=engine, host=args.host, port=port, grace_s=args.grace_s,
                             metrics_port=args.metrics_port, heartbeat_s=args.heartbeat_s,
                             reuse_port=args.reuse_port, guard=guard,
-                            served_model_name=args.served_model_name)
+                            served_model_name=args.served_model_name, token=read_secret(TOKEN_ENV),
+                            tls=TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
+                            no_auth=args.no_auth)
     try:
         return asyncio.run(serve(options))
-    except PortInUseError as e:
+    except (PortInUseError, ExposedWorkerError) as e:
         print(f"pdserve worker: {e}", file=sys.stderr)
         return 1
 
@@ -235,29 +249,43 @@ def _add_router(subparsers: Any) -> None:
     p.add_argument("--fd", type=int, default=None,
                    help="serve on this inherited listening socket instead of binding --host/--port "
                         "(pdserve up holds the port across router restarts)")
+    p.add_argument("--disable-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json (with an API key they need it)")
+    w = p.add_argument_group("workers (the token comes from $PDSERVE_WORKER_TOKEN or "
+                             "$PDSERVE_WORKER_TOKEN_FILE, never argv)")
+    w.add_argument("--worker-tls-ca", default=os.environ.get("PDSERVE_WORKER_TLS_CA"), metavar="PATH",
+                   help="reach workers over TLS, verified by this CA (default: $PDSERVE_WORKER_TLS_CA)")
+    w.add_argument("--worker-tls-cert", default=os.environ.get("PDSERVE_WORKER_TLS_CERT"), metavar="PATH",
+                   help="client certificate for workers' mutual TLS (default: $PDSERVE_WORKER_TLS_CERT)")
+    w.add_argument("--worker-tls-key", default=os.environ.get("PDSERVE_WORKER_TLS_KEY"), metavar="PATH",
+                   help="the --worker-tls-cert's key (default: $PDSERVE_WORKER_TLS_KEY)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run_router)
 
 
 def _run_router(args: argparse.Namespace) -> int:
+    from kvstore.credentials import TLSFiles, read_secret
     from services.procs import PortInUseError
     from services.router.api_keys import load_api_keys
     from services.router.app import RouterConfig, create_app
     from services.router.dispatch import DispatchOptions
     from services.router.edge import bind, serve
+    from services.worker.auth import TOKEN_ENV, WorkerAccess
 
     dispatch = DispatchOptions(prefill=tuple(args.prefill), decode=tuple(args.decode),
                                prefill_timeout_s=args.prefill_timeout_s,
                                decode_timeout_s=args.decode_timeout_s, prefill_policy=args.policy,
                                decode_policy=args.policy, local_prefill_tokens=args.local_prefill_tokens,
-                               stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations)
+                               stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations,
+                               worker_access=WorkerAccess(read_secret(TOKEN_ENV), TLSFiles(
+                                   args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca)))
     config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
                           max_model_len=args.max_model_len, dispatch=dispatch,
                           api_keys=load_api_keys(args.api_key, args.api_key_file),
                           tenant_cache_salt=args.tenant_cache_salt,
                           max_waiting=args.max_waiting, max_inflight=args.max_inflight,
                           max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
-                          body_timeout_s=args.body_timeout_s)
+                          body_timeout_s=args.body_timeout_s, disable_docs=args.disable_docs)
     try:
         if args.fd is None:
             bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads

@@ -33,16 +33,20 @@ def store_ready(url: str) -> ReadyCheck:
 
 
 def worker_ready(target: str) -> ReadyCheck:
-    """The worker at host:port serves (engine up) as that instance."""
+    """The worker at host:port serves (engine up) as that instance (reached with the worker
+    token and TLS files of the environment, as every client of workers)."""
     def ready(instance: str) -> bool:
         import grpc
 
         from protos import worker_pb2 as pb
         from protos import worker_pb2_grpc as pb_grpc
+        from services.worker.auth import WorkerAccess
 
+        access = WorkerAccess.from_env()
         try:
-            with grpc.insecure_channel(target) as channel:
-                report = pb_grpc.WorkerStub(channel).Load(pb.LoadRequest(), timeout=1.0)
+            with access.channel(target) as channel:
+                report = pb_grpc.WorkerStub(channel).Load(pb.LoadRequest(), timeout=1.0,
+                                                          metadata=access.metadata)
         except grpc.RpcError:
             return False
         return bool(report.serving and report.instance_id == instance)
@@ -67,13 +71,16 @@ AliveCheck = Callable[[], bool]
 
 
 def worker_alive(target: str, timeout_s: float = 2.0) -> AliveCheck:
-    """The worker answers its gRPC health service "liveness" with SERVING."""
+    """The worker answers its gRPC health service "liveness" with SERVING (health needs no
+    token; the channel is TLS when the environment says so)."""
     def alive() -> bool:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from services.worker.auth import WorkerAccess
+
         try:
-            with grpc.insecure_channel(target) as channel:
+            with WorkerAccess.from_env().channel(target) as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service="liveness"), timeout=timeout_s)
         except grpc.RpcError:

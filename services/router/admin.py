@@ -2,13 +2,19 @@
 autoscaler's actuators and operators use it).
 
     GET  /admin/workers            every worker, by pool, with its health and load
-    POST /admin/workers            {"role", "target"}: register (idempotent)
+    POST /admin/workers            {"role", "target"}: register (idempotent); the target must be
+                                   host:port (a hostname or IP, [v6] bracketed) that accepts a TCP
+                                   connection within 2 s, else 400 naming `target`
     POST /admin/workers/drain      {"role", "target"}: no new requests
     POST /admin/workers/remove     {"role", "target", "force"}: forget a drained worker
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ipaddress
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +25,46 @@ from services.router.dispatch import Dispatcher
 from services.router.errors import OpenAIError
 from services.router.openai_models import WorkerChange
 from services.router.pool import WorkerPool
+
+CONNECT_TIMEOUT_S = 2.0
+_LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"  # RFC 1123, and '_' as compose names have
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*\.?$")
+
+
+def parse_target(target: str) -> tuple[str, int]:
+    """(host, port) of a worker target `host:port` (host a hostname or an IP literal, an IPv6 one
+    in brackets; port 1..65535); raises OpenAIError 400 naming `target` otherwise."""
+    def bad(why: str) -> OpenAIError:
+        return OpenAIError(400, f"target: {why}, got {target!r}; expected host:port", "target")
+
+    host, sep, port = target.rpartition(":")
+    if not sep or not host:
+        raise bad("no port")
+    if not port.isascii() or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise bad("the port must be an integer in 1..65535")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise bad("not an IPv6 address in the brackets") from None
+        return host[1:-1], int(port)
+    if not _HOSTNAME.match(host):
+        raise bad("the host must be a hostname or an IP address (no scheme, no path)")
+    return host, int(port)
+
+
+async def check_reachable(target: str) -> None:
+    """Raises OpenAIError 400 naming `target` unless the target is well formed and accepts a TCP
+    connection within CONNECT_TIMEOUT_S (resolution and connect on the event loop, not blocking it)."""
+    host, port = parse_target(target)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError) as e:
+        why = "timed out" if isinstance(e, TimeoutError) else e.strerror or type(e).__name__
+        raise OpenAIError(400, f"target: {target} is not reachable over TCP ({why})", "target") from None
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
 
 
 def admin_router(dispatcher: Callable[[], Dispatcher]) -> APIRouter:
@@ -47,7 +93,10 @@ def admin_router(dispatcher: Callable[[], Dispatcher]) -> APIRouter:
     @router.post("/workers")
     async def add_worker(body: WorkerChange) -> dict[str, Any]:
         """Registers a worker (idempotent); it gets requests once its first load report is in."""
-        w = pool_of(body.role).add(body.target)
+        pool = pool_of(body.role)
+        if pool.find(body.target) is None:
+            await check_reachable(body.target)
+        w = pool.add(body.target)
         return {"target": w.target, "role": body.role, "healthy": w.healthy}
 
     @router.post("/workers/drain")

@@ -87,7 +87,9 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
             state["gen"].close()
             await dispatcher.close()
 
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    docs = not config.disable_docs
+    app = FastAPI(title="pdserve router", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     _add_error_handlers(app)
 
     @app.get("/health", responses=HEALTH_RESPONSES)

@@ -30,6 +30,7 @@ class RouterConfig:
     # tokenizer_threads threads (the tokenizer releases the GIL), not on the event loop.
     tokenizer_threads: int = 2
     inline_chars: int = 4096
+    disable_docs: bool = False  # no /docs, /redoc, /openapi.json (404); with api_key they need it
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:

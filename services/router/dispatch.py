@@ -44,6 +44,7 @@ from engine.sampling_params import SamplingParams
 from services.router.inflight import Attempt, EndedByRouter, InFlight
 from services.router.pool import Pick, Policy, PoolOptions, WorkerPool, WorkerState, is_down
 from services.router.prefix_index import block_hashes
+from services.worker.auth import WorkerAccess
 from services.worker.client import PositionLogprobs, PrefillResult, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class DispatchOptions:
     stall_timeout_s: float = 5.0  # a decode stream silent this long moves to another worker
     max_migrations: int = 3  # per sample
     migration_wait_s: float = 60.0  # how long a migrating sample waits for a serving worker
+    worker_access: WorkerAccess | None = None  # worker token and TLS files; None = from the env
 
     def __post_init__(self) -> None:
         if not self.decode:
@@ -86,7 +88,7 @@ class DispatchOptions:
 
     def pool_options(self, policy: Policy) -> PoolOptions:
         return PoolOptions(policy=policy, refresh_s=self.refresh_s, load_timeout_s=self.load_timeout_s,
-                           block_size=self.block_size)
+                           block_size=self.block_size, access=self.worker_access)
 
 
 @dataclass

@@ -363,5 +363,8 @@ class WorkerChange(BaseModel):
     """A worker registration change through the router's admin API."""
 
     role: Literal["prefill", "decode", "colocated"]
-    target: Annotated[StrictStr, Field(min_length=3, max_length=255, pattern=r"^[^\s:/]+:[0-9]{1,5}$")]
+    # The form only (drain / remove name a worker the router knows); POST /admin/workers checks
+    # the host, the port's range and that the target answers (services/router/admin.py).
+    target: Annotated[StrictStr, Field(min_length=3, max_length=255,
+                                       pattern=r"^(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}$")]
     force: StrictBool = False

@@ -42,6 +42,7 @@ from typing import Literal
 from protos import worker_pb2 as pb
 from services.router.background import Background
 from services.router.prefix_index import PrefixIndex
+from services.worker.auth import WorkerAccess
 from services.worker.client import WorkerClient, WorkerError
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class PoolOptions:
     overlap_weight: float = 1.0  # prefix_aware: what a cached prompt token is worth in held tokens
     missed_reports_unhealthy: int = 5  # late load reports in a row that mark a worker unhealthy
     block_size: int = 16  # the workers' KV block size (prefix index granularity)
+    access: WorkerAccess | None = None  # token and TLS files of the channels; None = from the env
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -133,7 +135,8 @@ class WorkerPool:
         self.role = role
         self.options = options
         self.on_unhealthy = on_unhealthy
-        self.workers = [WorkerState(WorkerClient(t), PrefixIndex(options.block_size))
+        self.access = options.access if options.access is not None else WorkerAccess.from_env()
+        self.workers = [WorkerState(WorkerClient(t, self.access), PrefixIndex(options.block_size))
                         for t in targets if not t.startswith(DNS_PREFIX)]
         # "dns:host:port" targets: every address the name resolves to is a worker (compose
         # replicas, a Kubernetes headless service); re-resolved every resolve_s.
@@ -171,7 +174,7 @@ class WorkerPool:
                 logger.warning("%s pool: resolving %s failed: %s", self.role, name, e)
                 continue
             for target in sorted(found - self._found[name]):
-                self.add(target)
+                self.add(target, server_name=host)
                 self._discovered.add(target)
             for target in self._found[name] - found:
                 self.drain(target)
@@ -231,11 +234,13 @@ class WorkerPool:
     def find(self, target: str) -> WorkerState | None:
         return next((w for w in self.workers if w.target == target), None)
 
-    def add(self, target: str) -> WorkerState:
-        """Adds a worker (or stops draining a known one); it takes requests after its first report."""
+    def add(self, target: str, server_name: str | None = None) -> WorkerState:
+        """Adds a worker (or stops draining a known one); it takes requests after its first report.
+        `server_name`: the name `target` was resolved from (its TLS certificate names that)."""
         w = self.find(target)
         if w is None:
-            w = WorkerState(WorkerClient(target), PrefixIndex(self.options.block_size), healthy=False)
+            w = WorkerState(WorkerClient(target, self.access, server_name),
+                            PrefixIndex(self.options.block_size), healthy=False)
             self.workers.append(w)
             logger.warning("%s worker %s added", self.role, target)
             if self._refresher.running:

@@ -20,7 +20,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from services.router.errors import OpenAIError
 
-PROTECTED_PREFIXES = ("/v1", "/admin", "/tokenize", "/detokenize")
+# The API docs too: the schema tells an attacker every field and endpoint.
+PROTECTED_PREFIXES = ("/v1", "/admin", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 _TENANT_DOMAIN = b"pdserve.router.tenant-cache-salt.v1\0"
 _COMBINED_DOMAIN = b"pdserve.router.tenant-request-salt.v1\0"
 

@@ -16,6 +16,9 @@ the engine request.
 Workers send a call's initial metadata as soon as their engine has the request: `start_prefill`'s
 `accepted()` and `decode(announce=True)` let a caller act on that before the first token arrives
 (the router starts its streamed response there, while the prompt is computed).
+
+Every call but health's carries the worker token, and the channel is TLS when the access says so
+(`WorkerAccess`, by default from the PDSERVE_WORKER_* environment; services/worker/auth.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.sampling_params import SamplingParams
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
+from services.worker.auth import WorkerAccess
 from services.worker.convert import (
     MESSAGE_SIZE_OPTIONS,
     kv_params_to_dict,
@@ -192,11 +196,16 @@ async def _accepted(call: Any) -> bool:
 
 
 class WorkerClient:
-    """One channel to one worker. `params.max_tokens` must be set (n and stop strings are not sent)."""
+    """One channel to one worker. `params.max_tokens` must be set (n and stop strings are not sent).
+    `access`: the token and TLS files (None = WorkerAccess.from_env()); `server_name`: the name
+    the worker's TLS certificate carries, when `target` is an address that name resolved to."""
 
-    def __init__(self, target: str) -> None:
+    def __init__(self, target: str, access: WorkerAccess | None = None, server_name: str | None = None
+                 ) -> None:
         self.target = target
-        self.channel = grpc.aio.insecure_channel(target, options=MESSAGE_SIZE_OPTIONS)
+        access = access if access is not None else WorkerAccess.from_env()
+        self._metadata = access.metadata
+        self.channel = access.aio_channel(target, MESSAGE_SIZE_OPTIONS, server_name)
         self.stub = pb_grpc.WorkerStub(self.channel)
         # Prefill called as a server stream of one reply: the same bytes on the wire, but unlike a
         # unary call (one batch of operations in grpc.aio) its initial metadata can be read alone.
@@ -226,7 +235,8 @@ class WorkerClient:
         `cache_salt`: the request's KV is shared only with requests of the same salt."""
         return PrefillCall(self.target, self._prefill(pb.PrefillRequest(
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
-            transfer_id=transfer_id, priority=priority, cache_salt=cache_salt), timeout=timeout_s))
+            transfer_id=transfer_id, priority=priority, cache_salt=cache_salt), timeout=timeout_s,
+            metadata=self._metadata))
 
     def start_decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,
@@ -238,7 +248,7 @@ class WorkerClient:
         call = self.stub.Decode(pb.DecodeRequest(
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
             kv_transfer=kv_params_to_proto(kv_transfer_params), num_output_tokens=num_output_tokens,
-            priority=priority, cache_salt=cache_salt), timeout=timeout_s)
+            priority=priority, cache_salt=cache_salt), timeout=timeout_s, metadata=self._metadata)
         return DecodeCall(self.target, call, announce)
 
     async def decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
@@ -254,7 +264,8 @@ class WorkerClient:
     async def abort(self, request_id: str) -> bool:
         """Aborts a running request; False when the worker does not know it."""
         try:
-            reply: pb.AbortResponse = await self.stub.Abort(pb.AbortRequest(request_id=request_id))
+            reply: pb.AbortResponse = await self.stub.Abort(pb.AbortRequest(request_id=request_id),
+                                                                metadata=self._metadata)
         except grpc.RpcError as e:
             raise WorkerError.from_rpc(self.target, e) from None
         return reply.found
@@ -262,7 +273,8 @@ class WorkerClient:
     async def load(self, timeout_s: float | None = None) -> pb.LoadReport:
         """The worker's load report (serving or not, and why; queues; KV use; instance id)."""
         try:
-            report: pb.LoadReport = await self.stub.Load(pb.LoadRequest(), timeout=timeout_s)
+            report: pb.LoadReport = await self.stub.Load(pb.LoadRequest(), timeout=timeout_s,
+                                                              metadata=self._metadata)
         except grpc.RpcError as e:
             raise WorkerError.from_rpc(self.target, e) from None
         return report

@@ -13,6 +13,10 @@ whether the worker serves, and why not. A Decode stream with nothing new for `he
 gets an empty chunk while the engine core is alive, so a caller can tell a quiet stream from a
 stalled worker. The server listens exclusively (no SO_REUSEPORT): a second worker on a taken
 port fails at start with an error naming it.
+
+With a token, every call but health's needs `authorization: Bearer <token>`; with TLS files the
+port is TLS (mutual with a client CA). Without either credential a worker listens only on
+loopback unless `no_auth` (services/worker/auth.py).
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ from engine.core_client import EngineDeadError
 from engine.outputs import RequestOutput
 from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from kvstore.credentials import TLSFiles
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from services.procs import PortInUseError, instance_id, port_free, port_in_use_message
+from services.worker.auth import TokenInterceptor, check_exposure, server_credentials
 from services.worker.convert import (
     MESSAGE_SIZE_OPTIONS,
     chunk_from_output,
@@ -82,6 +88,9 @@ class WorkerOptions:
     reuse_port: bool = False  # SO_REUSEPORT: several worker processes share `port` (asked for only)
     guard: GuardOptions = field(default_factory=GuardOptions)
     served_model_name: str | None = None  # the metrics' model_name (the router's); None = engine.model
+    token: str | None = field(default=None, repr=False)  # calls need `authorization: Bearer <token>`
+    tls: TLSFiles = field(default_factory=TLSFiles)  # cert + key: TLS; ca: clients need certificates
+    no_auth: bool = False  # may listen beyond loopback with neither token nor client certificates
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -92,6 +101,9 @@ class WorkerOptions:
             raise ValueError(f"heartbeat_s must be positive, got {self.heartbeat_s}")
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}")
+        if self.tls.enabled and self.tls.cert is None:
+            raise ValueError("tls: a worker's TLS needs its certificate and key (a client CA alone "
+                             "is not enough)")
 
     @property
     def model_name(self) -> str:
@@ -304,6 +316,7 @@ class WorkerServer:
 
     def __init__(self, options: WorkerOptions) -> None:
         o = options
+        check_exposure(o.host, o.token, o.tls, o.no_auth)
         self.options = o
         self.guard = EngineGuard(lambda: AsyncLLM(o.engine_config, True), o.guard, self._on_guard)
         self.servicer = WorkerServicer(o.role, self.guard, o.heartbeat_s, o.engine.kv_chunk_size)
@@ -323,13 +336,17 @@ class WorkerServer:
             if port and not port_free(o.host, port):
                 raise PortInUseError(port_in_use_message(o.host, port, name))
         # No SO_REUSEPORT unless asked: gRPC would otherwise let a second worker share a taken port.
-        self.server = grpc.aio.server(interceptors=[self.metrics.interceptor] if self.metrics else None,
+        interceptors = [*([TokenInterceptor(o.token)] if o.token else []),
+                        *([self.metrics.interceptor] if self.metrics else [])]
+        self.server = grpc.aio.server(interceptors=interceptors or None,
                                       options=[("grpc.so_reuseport", int(o.reuse_port)),
                                                *MESSAGE_SIZE_OPTIONS])
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         try:
-            self.port = self.server.add_insecure_port(f"{o.host}:{o.port}")
+            address = f"{o.host}:{o.port}"
+            self.port = (self.server.add_secure_port(address, server_credentials(o.tls)) if o.tls.enabled
+                         else self.server.add_insecure_port(address))
         except RuntimeError:  # taken between the check and the bind
             self.port = 0
         if self.port == 0:
