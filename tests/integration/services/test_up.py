@@ -42,10 +42,15 @@ def _argv_of(pid: int) -> str:
         return ""
 
 
-def _check_credentials(up_pid: int, secrets_dir: Path, api_key: str, store_port: int) -> None:
-    """No key or token in any argv of `up`'s processes; owner-only files; the store refuses a
-    caller without a token."""
+def _check_credentials(up_pid: int, secrets_dir: Path, api_key: str, store_port: int,
+                       worker_port: int) -> None:
+    """No key or token in any argv of `up`'s processes; owner-only files; the store and the
+    workers refuse a caller without a token."""
+    import grpc
+
     from kvstore.client import KVStoreAuthError, KVStoreClient
+    from protos import worker_pb2 as pb
+    from protos import worker_pb2_grpc as pb_grpc
 
     names = ("kv-admin-token", "kv-worker-token", "worker-token", "kv-integrity-key", "redis-password")
     tokens = [api_key] + [(secrets_dir / name).read_text().strip() for name in names]
@@ -59,6 +64,9 @@ def _check_credentials(up_pid: int, secrets_dir: Path, api_key: str, store_port:
     assert all(f.stat().st_mode & 0o077 == 0 for f in secrets_dir.iterdir())
     with pytest.raises(KVStoreAuthError):
         KVStoreClient(f"grpc://127.0.0.1:{store_port}", token="", use_shm=False).stats()
+    with grpc.insecure_channel(f"127.0.0.1:{worker_port}") as channel, pytest.raises(grpc.RpcError) as err:
+        pb_grpc.WorkerStub(channel).Abort(pb.AbortRequest(request_id="r"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
@@ -94,7 +102,7 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
                 break
         assert "pdserve is up" in lines[-1], lines
         if not colocated:
-            _check_credentials(proc.pid, tmp_path / "secrets", api_key, store)
+            _check_credentials(proc.pid, tmp_path / "secrets", api_key, store, prefill)
         client = OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key=api_key, timeout=60)
         got = client.completions.create(model=str(model), prompt="The quick brown fox",
                                         max_tokens=12, temperature=0)

@@ -231,7 +231,7 @@ async def test_api_docs_need_the_api_key_or_are_off(secured: dict[str, WorkerSer
                                                     model_dir: Path) -> None:
     paths = ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect")
     target = secured["decode"].target
-    with ServedRouter(router_config(model_dir, target, api_key="k3y")) as served:
+    with ServedRouter(router_config(model_dir, target, api_keys=("k3y",))) as served:
         async with httpx.AsyncClient(base_url=served.url) as http:
             for path in paths:
                 assert (await http.get(path)).status_code == 401, path
