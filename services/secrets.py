@@ -3,6 +3,11 @@ service): random tokens in files of a directory only its owner can read, handed 
 component as `*_FILE` environment variables (never argv: `ps` shows argv to every user).
 
     pdserve secrets --dir DIR     # creates what is missing, keeps what is there; prints nothing secret
+    pdserve secrets --dir DIR --share worker=/run/w --owner 10001   # + a copy of a role's files
+
+`--share ROLE=DIR` copies only what that component needs into DIR (compose gives each service
+its own volume this way, so the router cannot read the integrity key, nor the store the
+workers' tokens): roles `store`, `worker`, `router`, `redis` (SHARES below).
 
 Files (each 0600, the directory 0700):
     kv-auth            the KV store's token file: `<token> <roles>` per line
@@ -23,6 +28,12 @@ from pathlib import Path
 from typing import Any
 
 TOKEN_BYTES = 32
+TOKENS = ("kv-worker-token", "kv-admin-token", "kv-integrity-key", "worker-token", "redis-password")
+# What each component reads (the store's admin token is for its own healthcheck).
+SHARES = {"store": ("kv-auth", "redis-password", "kv-admin-token"),
+          "worker": ("kv-worker-token", "kv-integrity-key", "worker-token"),
+          "router": ("worker-token",),
+          "redis": ("redis.conf", "redis-password")}
 
 
 @dataclass(frozen=True)
@@ -67,38 +78,70 @@ def _read(path: Path) -> str:
     return path.read_text().strip()
 
 
+def _replace_private(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    _write_private(tmp, text)
+    os.replace(tmp, path)
+
+
 def ensure_secrets(directory: str | Path) -> DeploymentSecrets:
-    """Creates the directory (0700) and every missing file; existing ones are kept (a restarted
-    compose stack keeps its credentials, and the objects its store holds stay checkable)."""
+    """Creates the directory (0700) and every missing token; existing ones are kept (a restarted
+    compose stack keeps its credentials, and the objects its store holds stay checkable) and
+    made owner-only again. `kv-auth` and `redis.conf` are derived from the tokens every time, so
+    they always agree with them."""
     d = Path(directory)
     d.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(d, 0o700)
-    for name in ("kv-worker-token", "kv-admin-token", "kv-integrity-key", "worker-token", "redis-password"):
-        if not (d / name).exists():
+    for name in TOKENS:
+        if (d / name).exists():
+            os.chmod(d / name, 0o600)
+        else:
             _write_private(d / name, _token() + "\n")
-    if not (d / "kv-auth").exists():
-        _write_private(d / "kv-auth", f"# pdserve KV store credentials: <token> <roles>\n"
-                                      f"{_read(d / 'kv-worker-token')} producer,consumer\n"
-                                      f"{_read(d / 'kv-admin-token')} admin\n")
-    if not (d / "redis.conf").exists():
-        _write_private(d / "redis.conf", f"requirepass {_read(d / 'redis-password')}\n")
+    _replace_private(d / "kv-auth", f"# pdserve KV store credentials: <token> <roles> (generated "
+                                    f"from kv-worker-token and kv-admin-token)\n"
+                                    f"{_read(d / 'kv-worker-token')} producer,consumer\n"
+                                    f"{_read(d / 'kv-admin-token')} admin\n")
+    _replace_private(d / "redis.conf", f"requirepass {_read(d / 'redis-password')}\n")
     return DeploymentSecrets(d)
+
+
+def share(creds: DeploymentSecrets, role: str, dest: str | Path, owner: int | None = None) -> None:
+    """Copies the files component `role` reads into `dest` (0700, files 0600), owned by `owner`
+    when given (root only); files of other roles never go there."""
+    if role not in SHARES:
+        raise ValueError(f"--share: role must be one of {sorted(SHARES)}, got {role!r}")
+    d = Path(dest)
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for stale in d.iterdir():  # a share holds exactly its role's files
+        if stale.name not in SHARES[role]:
+            stale.unlink()
+    for name in SHARES[role]:
+        _replace_private(d / name, (creds.dir / name).read_text())
+        if owner is not None:
+            os.chown(d / name, owner, owner)
+    os.chmod(d, 0o700)
+    if owner is not None:
+        os.chown(d, owner, owner)
 
 
 def add_secrets_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("secrets", help="generate a deployment's credentials into a directory")
     p.add_argument("--dir", required=True, help="directory for the credential files (created 0700)")
-    p.add_argument("--redis-uid", type=int, default=None,
-                   help="hand redis.conf and redis-password to this uid (a Redis container's user); "
-                        "the directory then opens to others for traversal only (0711)")
+    p.add_argument("--share", action="append", default=[], metavar="ROLE=DIR",
+                   help=f"also copy the files of one component ({', '.join(SHARES)}) into DIR")
+    p.add_argument("--owner", type=int, default=None, metavar="UID",
+                   help="owner of the --share copies (needs root); ROLE=DIR:UID overrides it")
     p.set_defaults(func=run_secrets)
 
 
 def run_secrets(args: argparse.Namespace) -> int:
     s = ensure_secrets(args.dir)
-    if args.redis_uid is not None:
-        for name in ("redis.conf", "redis-password"):
-            os.chown(s.dir / name, args.redis_uid, args.redis_uid)
-        os.chmod(s.dir, 0o711)  # names are not listable; each file stays 0600 for its owner
+    for spec in args.share:
+        role, sep, rest = spec.partition("=")
+        dest, _, uid = rest.rpartition(":") if ":" in rest else (rest, "", "")
+        if not sep or not dest:
+            raise ValueError(f"--share {spec!r}: expected ROLE=DIR or ROLE=DIR:UID")
+        share(s, role, dest, int(uid) if uid else args.owner)
     print(f"pdserve credentials in {s.dir} (owner-only)", flush=True)
     return 0

@@ -178,7 +178,10 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
     inherit the launcher's environment, which holds their credentials (`_use_credentials`);
     the store and the router get their own."""
     h = args.host
-    store_env = {**os.environ, **creds.store_env()} if creds else None
+    store_env = None
+    if creds:  # the store gets its own, none of the workers' (the checksum key above all)
+        store_env = {k: v for k, v in os.environ.items() if k not in creds.worker_env()}
+        store_env.update(creds.store_env())
     store = f"grpc://{h}:{args.kvstore_port}"
     common = _worker_args(args, folder, store)
     specs = []
@@ -297,6 +300,8 @@ def _use_credentials(directory: Path) -> DeploymentSecrets:
     environment: the workers it starts, now or later (the autoscaler), inherit them, and its
     readiness checks present them."""
     creds = ensure_secrets(directory)
+    for name in creds.worker_env():  # a value left in the operator's shell would win over a file
+        os.environ.pop(name.removesuffix("_FILE"), None)
     os.environ.update(creds.worker_env())
     return creds
 

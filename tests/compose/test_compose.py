@@ -79,6 +79,35 @@ def test_only_the_router_port_is_published_and_the_backend_is_internal(compose_s
     assert net[0]["Internal"] is True, net
 
 
+_PROBE = """
+import os, grpc
+from kvstore.client import KVStoreAuthError, KVStoreClient
+from protos import worker_pb2 as pb, worker_pb2_grpc as pb_grpc
+print("files", sorted(os.listdir("/run/pdserve-secrets")))
+try:
+    KVStoreClient("grpc://kvstore:50071", token="", use_shm=False).stats()
+    print("store open")
+except KVStoreAuthError:
+    print("store refused")
+try:
+    stub = pb_grpc.WorkerStub(grpc.insecure_channel("prefill:50051"))
+    stub.Abort(pb.AbortRequest(request_id="x"), timeout=10)
+    print("worker open")
+except grpc.RpcError as e:
+    print("worker", e.code().name)
+"""
+
+
+def test_credentials_are_per_component_and_required(compose_stack: ComposeStack) -> None:
+    """From inside the router's container (the one facing clients): it holds only the workers'
+    token; the store and a worker refuse a caller that presents nothing."""
+    out = compose_stack.compose("exec", "-T", "router", "python", "-c", _PROBE, timeout_s=120).stdout
+    assert "files ['worker-token']" in out, out
+    assert "store refused" in out and "worker UNAUTHENTICATED" in out, out
+    worker = compose_stack.compose("exec", "-T", "prefill", "ls", "/run/pdserve-secrets").stdout.split()
+    assert sorted(worker) == ["kv-integrity-key", "kv-worker-token", "worker-token"], worker
+
+
 def test_api_key_is_required(compose_stack: ComposeStack) -> None:
     with pytest.raises(openai.AuthenticationError):
         _client(compose_stack, api_key="wrong").models.list()
