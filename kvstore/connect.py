@@ -26,7 +26,7 @@ TLS_ENV_PREFIX = "PDSERVE_KV_TLS"
 class StoreCredentials:
     """The token (None = send none) and TLS files of a store client."""
 
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     tls: TLSFiles = field(default_factory=TLSFiles)
 
     @classmethod

@@ -236,7 +236,8 @@ def _add_router(subparsers: Any) -> None:
                         "any configured key is accepted")
     p.add_argument("--tenant-cache-salt", action="store_true",
                    help="each API key is a tenant: KV (prefix caches, KV store) is shared only among "
-                        "requests made with the same key")
+                        "requests made with the same key; the admin API then needs an admin key "
+                        "($PDSERVE_ADMIN_API_KEY or $PDSERVE_ADMIN_API_KEY_FILE)")
     p.add_argument("--stall-timeout-s", type=float, default=5.0,
                    help="a decode stream with no token and no worker heartbeat this long moves to "
                         "another worker")
@@ -266,7 +267,7 @@ def _add_router(subparsers: Any) -> None:
 def _run_router(args: argparse.Namespace) -> int:
     from kvstore.credentials import TLSFiles, read_secret
     from services.procs import PortInUseError
-    from services.router.api_keys import load_api_keys
+    from services.router.api_keys import load_admin_keys, load_api_keys
     from services.router.app import RouterConfig, create_app
     from services.router.dispatch import DispatchOptions
     from services.router.edge import bind, serve
@@ -282,7 +283,7 @@ def _run_router(args: argparse.Namespace) -> int:
     config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
                           max_model_len=args.max_model_len, dispatch=dispatch,
                           api_keys=load_api_keys(args.api_key, args.api_key_file),
-                          tenant_cache_salt=args.tenant_cache_salt,
+                          tenant_cache_salt=args.tenant_cache_salt, admin_keys=load_admin_keys(),
                           max_waiting=args.max_waiting, max_inflight=args.max_inflight,
                           max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
                           body_timeout_s=args.body_timeout_s, disable_docs=args.disable_docs)

@@ -59,9 +59,9 @@ async def check_reachable(target: str) -> None:
     host, port = parse_target(target)
     try:
         _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
-    except (OSError, TimeoutError) as e:
-        why = "timed out" if isinstance(e, TimeoutError) else e.strerror or type(e).__name__
-        raise OpenAIError(400, f"target: {target} is not reachable over TCP ({why})", "target") from None
+    except (OSError, TimeoutError):  # one message whatever the cause: no network probing
+        raise OpenAIError(400, f"target: {target} did not accept a TCP connection within "
+                               f"{CONNECT_TIMEOUT_S:g} s", "target") from None
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()

@@ -37,8 +37,20 @@ def read_key_file(path: str) -> list[str]:
     return [line for line in lines if line]
 
 
+def load_admin_keys(key_file: str | None = None, environ: Mapping[str, str] = os.environ
+                    ) -> tuple[str, ...]:
+    """The admin API's keys: $PDSERVE_ADMIN_API_KEY (comma-separated) and the key file
+    (`key_file`, else $PDSERVE_ADMIN_API_KEY_FILE)."""
+    keys = [k.strip() for k in environ.get("PDSERVE_ADMIN_API_KEY", "").split(",")]
+    path = key_file or environ.get("PDSERVE_ADMIN_API_KEY_FILE")
+    if path:
+        keys += read_key_file(path)
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
 def first_api_key(argv_key: str | None = None, key_file: str | None = None,
                   environ: Mapping[str, str] = os.environ) -> str | None:
-    """The key a client of the router (the autoscaler) sends: the first configured one."""
-    keys = load_api_keys(argv_key, key_file, environ, warn=False)
+    """The key a client of the admin API (the autoscaler) sends: the first admin key, else the
+    first API key."""
+    keys = load_admin_keys(environ=environ) + load_api_keys(argv_key, key_file, environ, warn=False)
     return keys[0] if keys else None

@@ -179,8 +179,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
     # body limit outermost, so no handler ever reads more than max_body_bytes.
     app.add_middleware(HotPath, handlers={"/v1/completions": _from_bytes(CompletionRequest, completions),
                                           "/v1/chat/completions": _from_bytes(ChatCompletionRequest, chat)})
-    if config.api_keys:
-        app.add_middleware(ApiKeyAuth, keys=config.api_keys, tenants=config.tenant_cache_salt)
+    app.add_middleware(ApiKeyAuth, keys=config.api_keys, tenants=config.tenant_cache_salt,
+                       admin_keys=config.admin_keys)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
     return app
 

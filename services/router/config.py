@@ -14,9 +14,11 @@ class RouterConfig:
     max_model_len: int = 4096
     dispatch: DispatchOptions = field(default_factory=lambda: DispatchOptions(decode=("127.0.0.1:50061",)))
     # When set, /v1/* needs `Authorization: Bearer <key>` with one of them (services/router/tenants.py).
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Each API key its own tenant: KV is shared only among requests authenticated with one key.
     tenant_cache_salt: bool = False
+    # Keys of the admin API (/admin/*), which the API keys of tenants never open.
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
     max_waiting: int = 64  # admission: 429 once every healthy worker of a pool has this many queued
     max_inflight: int = 4096  # admission: 429 beyond this many requests in the router
     retry_after_s: int = 1
@@ -43,7 +45,7 @@ class RouterConfig:
             raise ValueError("header_timeout_s and body_timeout_s must be positive")
         if self.tenant_cache_salt and not self.api_keys:
             raise ValueError("tenant_cache_salt: tenants are API keys, and none is configured")
-        if any(not k or k != k.strip() or "," in k for k in self.api_keys):
+        if any(not k or k != k.strip() or "," in k for k in self.api_keys + self.admin_keys):
             raise ValueError("api_keys: every key must be non-empty, without spaces around it or ','")
         if self.tokenizer_threads < 1 or self.inline_chars < 0:
             raise ValueError("tokenizer_threads must be >= 1 and inline_chars >= 0")

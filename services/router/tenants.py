@@ -1,7 +1,11 @@
 """API keys and tenants: the router's key check, and each request's effective cache salt.
 
-Any configured key (services/router/api_keys.py) is accepted on `/v1/*`, `/admin/*`, `/tokenize`
-and `/detokenize`, each compared in constant time.
+Any configured key (services/router/api_keys.py) is accepted on `/v1/*`, `/tokenize`,
+`/detokenize` and the API docs, each compared in constant time. The admin API (`/admin/*`, which
+adds and drains workers: whoever holds it decides where prompts go) takes an admin key
+(`$PDSERVE_ADMIN_API_KEY`) when one is configured; without one, any API key when the keys are
+one operator's, none at all when they are tenants (`--tenant-cache-salt`), and with no key of
+either kind configured, callers on loopback only.
 
 With `--tenant-cache-salt` each key is its own tenant: its salt is a hash of the key under a
 domain-separation string (the key itself never leaves the router), and the effective salt of a
@@ -51,30 +55,59 @@ def request_salt(request_salt: str | None) -> str:
 
 class ApiKeyAuth:
     """Pure ASGI middleware: a protected path needs `Authorization: Bearer <key>` with one of
-    `keys` (else 401). With `tenants`, the request's tenant salt is set for its handlers."""
+    `keys` or `admin_keys` (else 401); `/admin/*` as the module docstring says (else 401 / 403).
+    With `tenants`, the request's tenant salt is set for its handlers."""
 
-    def __init__(self, app: ASGIApp, keys: tuple[str, ...], tenants: bool = False) -> None:
-        if not keys:
-            raise ValueError("ApiKeyAuth needs at least one key")
+    def __init__(self, app: ASGIApp, keys: tuple[str, ...], tenants: bool = False,
+                 admin_keys: tuple[str, ...] = ()) -> None:
         self.app = app
-        self._expected = [(f"Bearer {k}".encode(), tenant_salt(k) if tenants else None) for k in keys]
+        self._expected = [(f"Bearer {k}".encode(), tenant_salt(k) if tenants else None, k in admin_keys)
+                          for k in dict.fromkeys(keys + admin_keys)]
+        self._admin_needs_admin_key = bool(admin_keys) or tenants
+        self._api_open = not keys  # no API keys: /v1/* etc. take anyone
+        self._open = not keys and not admin_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIXES):
+        path = scope["path"] if scope["type"] == "http" else ""
+        admin = path.startswith("/admin")
+        if not path.startswith(PROTECTED_PREFIXES) or (self._api_open and not admin):
+            await self.app(scope, receive, send)
+            return
+        if self._open:  # no keys at all: the admin API answers this host only
+            if not _from_loopback(scope):
+                await _deny(403, "the admin API takes calls from this host only unless "
+                                 "PDSERVE_ADMIN_API_KEY (or an API key) is configured")(scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
         given = next((v for n, v in scope["headers"] if n == b"authorization"), b"")
-        found = False
-        salt = None
-        for expected, tenant in self._expected:  # every key compared: no early exit to time
+        found, salt, is_admin = False, None, False
+        for expected, tenant, admin_key in self._expected:  # every key compared: no early exit
             if hmac.compare_digest(given, expected):
-                found, salt = True, tenant
+                found, salt, is_admin = True, tenant, admin_key
         if not found:
-            await OpenAIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                              code="invalid_api_key").response()(scope, receive, send)
+            await _deny(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")(
+                scope, receive, send)
+            return
+        if admin and self._admin_needs_admin_key and not is_admin:
+            await _deny(403, "the admin API needs an admin key ($PDSERVE_ADMIN_API_KEY); API keys "
+                             "of tenants are not admins")(scope, receive, send)
             return
         token = _tenant_salt.set(salt)
         try:
             await self.app(scope, receive, send)
         finally:
             _tenant_salt.reset(token)
+
+
+def _deny(status: int, message: str) -> ASGIApp:
+    code = "invalid_api_key" if status == 401 else "permission_denied"
+    app: ASGIApp = OpenAIError(status, message, code=code).response()
+    return app
+
+
+def _from_loopback(scope: Scope) -> bool:
+    from kvstore.credentials import is_loopback
+
+    client = scope.get("client")
+    return client is not None and is_loopback(str(client[0]))

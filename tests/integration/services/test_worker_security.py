@@ -216,7 +216,7 @@ async def test_admin_registers_only_well_formed_reachable_targets(
                 reply = await http.post(admin, json={"role": "colocated", "target": target})
                 assert reply.status_code == 400, target
                 assert reply.json()["error"]["param"] == "target", target
-            assert "not reachable" in reply.json()["error"]["message"]
+            assert "did not accept a TCP connection" in reply.json()["error"]["message"]
             real = secured["mtls"].target
             assert (await http.post(admin, json={"role": "colocated", "target": real})).status_code == 200
             assert real in [w["target"] for w in (await http.get(admin)).json()["workers"]]

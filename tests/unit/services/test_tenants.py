@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,7 @@ def test_keys_come_from_the_variable_the_file_and_argv_in_that_order(
     assert load_api_keys(None, None, {}) == ()
     assert first_api_key(None, str(path), env) == "key-a"
     assert first_api_key(None, None, {}) is None
+    assert first_api_key(None, str(path), {**env, "PDSERVE_ADMIN_API_KEY": "root"}) == "root"
 
 
 def test_a_tenant_salt_is_a_domain_separated_hash_never_the_key() -> None:
@@ -58,3 +60,42 @@ def test_prefix_index_hashes_of_a_salted_prompt_share_nothing_with_other_salts()
     plain, s1, s2 = (block_hashes(tokens, 16, s) for s in ("", "s1", "s2"))
     assert len({*plain, *s1, *s2}) == 9
     assert block_hashes(tokens, 16, "s1") == s1
+
+
+async def _status(app: Any, path: str, key: str | None = None, client: str = "127.0.0.1") -> int:
+    import httpx
+
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    transport = httpx.ASGITransport(app=app, client=(client, 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as http:
+        return (await http.get(path, headers=headers)).status_code
+
+
+async def _ok(scope: Any, receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def test_the_admin_api_is_never_a_tenant_key() -> None:
+    """/admin decides where prompts go: tenants' keys never open it, an admin key does; with no
+    key of any kind configured it answers loopback callers only."""
+    from services.router.tenants import ApiKeyAuth
+
+    open_app = ApiKeyAuth(_ok, keys=())
+    assert await _status(open_app, "/v1/models", client="10.0.0.5") == 200
+    assert await _status(open_app, "/admin/workers") == 200
+    assert await _status(open_app, "/admin/workers", client="10.0.0.5") == 403
+    one_operator = ApiKeyAuth(_ok, keys=("k1",))
+    assert await _status(one_operator, "/admin/workers", "k1", client="10.0.0.5") == 200
+    assert await _status(one_operator, "/admin/workers") == 401
+    tenants = ApiKeyAuth(_ok, keys=("alice", "bob"), tenants=True)
+    assert await _status(tenants, "/v1/models", "alice") == 200
+    assert await _status(tenants, "/admin/workers", "alice") == 403
+    with_admin = ApiKeyAuth(_ok, keys=("alice", "bob"), tenants=True, admin_keys=("root",))
+    assert await _status(with_admin, "/admin/workers", "root", client="10.0.0.5") == 200
+    assert await _status(with_admin, "/admin/workers", "bob") == 403
+    assert await _status(with_admin, "/v1/models", "root") == 200
+    assert await _status(with_admin, "/v1/models", "eve") == 401
+    admin_only = ApiKeyAuth(_ok, keys=(), admin_keys=("root",))
+    assert await _status(admin_only, "/v1/models") == 200
+    assert await _status(admin_only, "/admin/workers") == 401
