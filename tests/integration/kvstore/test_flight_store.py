@@ -153,7 +153,7 @@ def test_object_over_the_capacity_is_refused_and_nothing_is_evicted(tmp_path: Pa
 def test_unknown_action_and_garbage_bodies_are_rejected(client: KVStoreClient) -> None:
     import pyarrow.flight as flight
 
-    conn = client._conn()
+    conn = client._link.conn()
     with pytest.raises(Exception, match="unknown action 'explode'"):
         list(conn.do_action(flight.Action("explode", b"")))
     with pytest.raises(Exception, match="lookup: body is not a LookupRequest"):
@@ -310,7 +310,7 @@ def test_parts_that_overlap_or_overflow_are_rejected_and_nothing_is_stored(
     desc = flight.FlightDescriptor.for_command(pb.PutRequest().SerializeToString())
     cases = (([(0, 3000), (2000, 2000)], 4000, "overlaps"), ([(2500, 1000)], 3000, "does not fit"))
     for parts, total, message in cases:
-        writer, _ = client._conn().do_put(desc, SCHEMA)
+        writer, _ = client._link.conn().do_put(desc, SCHEMA)
         with pytest.raises(Exception, match=message):
             for off, n in parts:
                 writer.write_batch(object_batch(key, meta, payload[off:off + n], offset=off, total=total))

@@ -147,7 +147,7 @@ def test_a_client_that_cannot_see_the_directory_uses_flight(store: KVStoreServic
 
 def test_a_store_without_the_path_and_a_restarted_store(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvstore.client.SHM_RETRY_S", 0.3)
+    monkeypatch.setattr("kvstore.shm_client.SHM_RETRY_S", 0.3)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -151,7 +151,7 @@ def test_shm_put_needs_the_producer_role(store, admin) -> None:
         if directory is None:
             pytest.skip("no shared-memory directory on this machine")
         with pytest.raises(KVStoreAuthError, match="shm_put: needs the 'producer' role"):
-            c._shm_put(directory, [item(0)], None)
+            c._shm.put(directory, [item(0)], None)
         assert not [n for n in os.listdir(directory) if n.startswith(("put-", "obj-"))]
     assert admin.stats().objects == 0
 
@@ -199,7 +199,7 @@ def test_a_refused_token_does_not_open_the_breaker(store) -> None:
         for _ in range(2):
             with pytest.raises(KVStoreAuthError):
                 c.health()
-        assert c._down_until == 0.0
+        assert c._link.down_until == 0.0
 
 
 # --- protected mode ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 a prefill and a decode worker, every request still ends with the greedy text (the decode worker
 recomputes what it cannot load); restarted on its port, transfers through it resume. Frozen
 (SIGSTOP), requests go on within a bound: calls time out once, then the workers leave the store
-alone for a while (kvstore/client.py's breaker) instead of waiting on every call."""
+alone for a while (kvstore/link.py's breaker) instead of waiting on every call."""
 
 from __future__ import annotations
 

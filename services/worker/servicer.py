@@ -1,0 +1,240 @@
+"""The worker's gRPC servicer (`pdserve.worker.v1.Worker`; served by services/worker/server.py):
+a thin adapter over the engine its guard keeps. It validates, converts (convert.py), and maps
+engine errors to status codes; cancelling a call aborts its engine request.
+
+Roles: "prefill" runs its engine as a KV producer and offers Prefill; "decode" runs a KV consumer
+and offers Decode; "colocated" has no connector and offers Decode, computing the whole prompt.
+Calls fail with UNAVAILABLE while the engine does not serve; Load always answers and says
+whether the worker serves, and why not. A Decode stream with nothing new for `heartbeat_s`
+gets an empty chunk while the engine core is alive, so a caller can tell a quiet stream from a
+stalled worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import NoReturn, TypeVar
+
+import grpc
+
+from engine.async_llm import AsyncLLM
+from engine.connector.transfer_params import check_transfer_params
+from engine.core.outputs import EngineStats
+from engine.core_client import EngineDeadError
+from engine.outputs import RequestOutput
+from engine.processor import PromptType
+from engine.sampling_params import RequestOutputKind, SamplingParams
+from protos import worker_pb2 as pb
+from protos import worker_pb2_grpc as pb_grpc
+from services.procs import instance_id
+from services.worker.convert import (
+    chunk_from_output,
+    kv_params_from_proto,
+    kv_params_to_proto,
+    params_from_proto,
+    position_to_proto,
+    prompt_logprobs_to_proto,
+    token_ids_from_proto,
+)
+from services.worker.engine_guard import EngineGuard
+from services.worker.heartbeats import with_heartbeats
+from services.worker.options import WorkerRole
+
+_PROTO_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
+T = TypeVar("T")
+LOAD_WAIT_S = 0.2  # how long Load waits for a fresh snapshot before answering with the last one
+FIRST_LOAD_WAIT_S = 5.0
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    """Worker RPCs over the engine its guard keeps; UNAVAILABLE while that engine does not serve."""
+
+    def __init__(self, role: WorkerRole, guard: EngineGuard, heartbeat_s: float = 1.0,
+                 chunk_size: int = 256) -> None:
+        self.role = role
+        self.guard = guard
+        self.heartbeat_s = heartbeat_s
+        self.chunk_size = chunk_size  # kv_chunk_size: bounds a Decode's kv_transfer.keys
+        self.instance_id = instance_id()
+        self._active: set[str] = set()
+        self._stats: EngineStats | None = None  # the last snapshot Load got
+        self._stats_task: asyncio.Future[EngineStats] | None = None
+        self._stats_engine: AsyncLLM | None = None  # whose snapshots those are
+
+    @property
+    def engine(self) -> AsyncLLM | None:
+        return self.guard.engine
+
+    def _keep_stats(self, engine: AsyncLLM, task: asyncio.Future[EngineStats]) -> None:
+        if engine is self._stats_engine and not task.cancelled() and task.exception() is None:
+            self._stats = task.result()
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> pb.PrefillResponse:
+        if self.role != "prefill":
+            await _fail(context, grpc.StatusCode.UNIMPLEMENTED, f"a {self.role} worker does not prefill")
+        transfer = {"do_remote_decode": True, "transfer_id": request.transfer_id or request.request_id}
+        one_token = pb.SamplingParams()
+        one_token.CopyFrom(request.params)
+        one_token.max_tokens, one_token.min_tokens = 1, min(one_token.min_tokens, 1)
+
+        def parse() -> tuple[list[int], SamplingParams]:
+            ids = token_ids_from_proto(request.token_ids)
+            check_transfer_params(transfer, len(ids), self.chunk_size)
+            return ids, params_from_proto(one_token, RequestOutputKind.FINAL_ONLY, transfer)
+
+        ids, params = await _parse(context, parse)
+        final: RequestOutput | None = None
+        async for out in self._generate(context, request.request_id, ids, params, request.priority,
+                                        cache_salt=request.cache_salt):
+            final = out
+        assert final is not None and final.finished
+        sample = final.outputs[0]
+        if not sample.token_ids:  # aborted before its first token (Abort, or a KV store failure)
+            await _fail(context, grpc.StatusCode.ABORTED, f"prefill ended: {sample.stop_reason or 'abort'}")
+        first = sample.token_ids[0]
+        finish = sample.finish_reason or ""
+        if finish == "length" and self._ends_request(first, params, request.params.min_tokens):
+            finish = "stop"  # the first token ends it: no decode follows
+        reply = pb.PrefillResponse(first_token_id=first, finish_reason=finish,
+                                   kv_transfer=kv_params_to_proto(final.kv_transfer_params),
+                                   num_cached_tokens=final.num_cached_tokens or 0)
+        if sample.logprobs:
+            reply.first_logprobs.CopyFrom(position_to_proto(sample.logprobs[0]))
+        reply.prompt_logprobs.extend(prompt_logprobs_to_proto(final.prompt_logprobs))
+        return reply
+
+    def _ends_request(self, token: int, params: SamplingParams, min_tokens: int) -> bool:
+        """Whether `token` as the first output stops the request: the engine reports "length" for
+        it (prefill runs with max_tokens 1 and length is checked first, as in vLLM), but the
+        request the router will continue must end here when it is EOS or a stop token id."""
+        if min_tokens > 1:
+            return False
+        eos = self.engine.processor.eos_token_id if self.engine is not None else None
+        return token in params.stop_token_ids or (not params.ignore_eos and token == eos)
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.DecodeChunk]:
+        if self.role == "prefill":
+            await _fail(context, grpc.StatusCode.UNIMPLEMENTED, "a prefill worker does not decode")
+
+        def parse() -> tuple[list[int], SamplingParams]:
+            ids = token_ids_from_proto(request.token_ids)
+            kv = (kv_params_from_proto(request.kv_transfer, len(ids), self.chunk_size)
+                  if self.role == "decode" and request.HasField("kv_transfer") else None)
+            return ids, params_from_proto(request.params, RequestOutputKind.DELTA, kv)
+
+        ids, params = await _parse(context, parse)
+        completion_tokens = 0
+        outputs = self._generate(context, request.request_id, ids, params, request.priority,
+                                 request.num_output_tokens, request.cache_salt)
+        async for out in with_heartbeats(outputs, self.heartbeat_s,
+                                         lambda: self.guard.core_alive(self.heartbeat_s)):
+            if out is None:  # nothing new for a while, the engine alive: tell the caller
+                yield pb.DecodeChunk()
+                continue
+            sample = out.outputs[0]
+            completion_tokens += len(sample.token_ids)
+            if not sample.token_ids and not out.finished:
+                continue
+            chunk = chunk_from_output(sample, out.prompt_logprobs)
+            if out.finished:
+                chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
+                                              cached_tokens=out.num_cached_tokens or 0))
+            yield chunk
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        engine = await self._engine(context)
+        found = request.request_id in self._active
+        if found:
+            await engine.abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    async def Load(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadReport:
+        """Whether the worker serves (and why not), its engine's queues and KV use. The engine
+        core answers between steps, so a long step (a 2k-token prefill on CPU) would delay the
+        report by up to a step: after LOAD_WAIT_S the last snapshot is returned instead, and the
+        fresh one, when it comes, replaces it. Never fails: a worker whose engine is down says so."""
+        serving = self.guard.serving
+        why = "" if serving else self.guard.reason or "the engine core died"
+        report = pb.LoadReport(role=_PROTO_ROLES[self.role], serving=serving, not_serving_reason=why,
+                               instance_id=self.instance_id)
+        stats = await self.snapshot(LOAD_WAIT_S)
+        if stats is not None:
+            report.MergeFrom(pb.LoadReport(
+                num_waiting=stats.num_waiting, num_running=stats.num_running, kv_usage=stats.kv_usage,
+                num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
+                prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+                num_cached_blocks=stats.num_cached_blocks, num_prompt_tokens=stats.num_prompt_tokens,
+                busy_seconds=stats.step_seconds.total))
+        return report
+
+    async def snapshot(self, wait_s: float) -> EngineStats | None:
+        """The engine's stats: a fresh snapshot when the core answers within `wait_s` (longer for
+        an engine's first), else the last one; None without a live engine. Load and metrics
+        scrapes share one request to the core, so a frozen core holds one thread, not one per
+        call."""
+        engine = self.engine
+        if engine is None or engine.errored:
+            return None
+        if engine is not self._stats_engine:  # a restarted engine starts over
+            self._stats_engine, self._stats, self._stats_task = engine, None, None
+        if self._stats_task is None or self._stats_task.done():
+            self._stats_task = asyncio.ensure_future(engine.get_stats())
+            self._stats_task.add_done_callback(lambda task: self._keep_stats(engine, task))
+        if self._stats is None:  # an engine's first snapshot: there is none to fall back on
+            wait_s = max(wait_s, FIRST_LOAD_WAIT_S)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._stats_task), wait_s)
+        except (TimeoutError, EngineDeadError):
+            return self._stats if not engine.errored else None
+
+    async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
+                        params: SamplingParams, priority: int = 0, num_prior_outputs: int = 0,
+                        cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+        """The engine's outputs for one request; errors become status codes, cancel aborts. The
+        call's initial metadata goes out as soon as the engine has the request, so the client
+        knows it was accepted before the first token (the router starts its HTTP response there).
+        A non-empty `cache_salt` keeps the request's KV apart from other salts'."""
+        engine = await self._engine(context)
+        if not request_id:
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        if request_id in self._active:
+            await _fail(context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running")
+        self._active.add(request_id)
+        try:
+            prompt: PromptType = {"prompt_token_ids": ids, "cache_salt": cache_salt} if cache_salt else ids
+            async for out in engine.generate(prompt, params, request_id, priority=priority,
+                                             on_added=lambda: context.send_initial_metadata(()),
+                                             num_prior_outputs=num_prior_outputs):
+                yield out
+        except ValueError as e:
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await _fail(context, grpc.StatusCode.UNAVAILABLE, f"engine died: {e}")
+        except asyncio.CancelledError:  # the client cancelled or the server is stopping
+            await asyncio.shield(engine.abort(request_id))
+            raise
+        finally:
+            self._active.discard(request_id)
+
+    async def _engine(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
+        engine = self.guard.engine
+        if engine is None or not self.guard.serving:
+            why = self.guard.reason or "the engine core died"
+            await _fail(context, grpc.StatusCode.UNAVAILABLE, f"not serving: {why}")
+        return engine
+
+
+async def _parse(context: grpc.aio.ServicerContext, parse: Callable[[], T]) -> T:
+    try:
+        return parse()
+    except ValueError as e:
+        await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    """Ends the call with `code` (context.abort raises)."""
+    await context.abort(code, message)
+    raise AssertionError("unreachable")
