@@ -87,9 +87,15 @@ def start_up(args: argparse.Namespace, port: int, colocated: bool, log: Path) ->
             "--kvstore-port", str(port + 1), "--decode-port", str(port + 2),
             "--prefill-port", str(port + 3), "--num-threads", str(args.num_threads),
             "--kv-cache-gib", "1", "--max-model-len", str(max(args.lengths_list) + 64),
-            "--metrics-port-offset", "0"]
+            "--metrics-port-offset", "0", "--secrets-dir", str(log.parent / f"secrets-{port}")]
     return Server(f"pdserve up :{port}", [*argv, "--colocated"] if colocated else argv, port,
                   "pdserve is up", log)
+
+
+def colocated_secrets(server: Server) -> Path:
+    """The credentials `start_up` had `pdserve up` generate (the direct client needs the
+    workers' token, as the router does)."""
+    return server.log.parent / f"secrets-{server.port}"
 
 
 def _body(model: str, ids: list[int], max_tokens: int) -> dict[str, Any]:
@@ -148,13 +154,15 @@ async def direct(client: Any, ids: list[int], max_tokens: int, request_id: str) 
 
 async def measure(args: argparse.Namespace, colocated: Server, disagg: Server, vocab: int
                   ) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    from services.worker.auth import WorkerAccess
     from services.worker.client import WorkerClient
 
     rng = np.random.default_rng(0)
     out: dict[tuple[str, int], list[tuple[float, float]]] = {}
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(timeout=timeout) as session, httpx.AsyncClient(timeout=600) as hx, \
-            WorkerClient(f"127.0.0.1:{colocated.port + 2}") as worker:
+            WorkerClient(f"127.0.0.1:{colocated.port + 2}", WorkerAccess(token=(
+                colocated_secrets(colocated) / "worker-token").read_text().strip())) as worker:
         http = (lambda port, ids: via_router(session, port, args.model, ids, args.max_tokens)) \
             if args.client == "aiohttp" else \
             (lambda port, ids: via_router_httpx(hx, port, args.model, ids, args.max_tokens))

@@ -69,7 +69,8 @@ class System:
         argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--prefill", str(prefill),
                 "--decode", str(decode), "--port", str(self.port), "--kvstore-port", str(store),
                 "--prefill-port", str(p0), "--decode-port", str(d0), "--metrics-port-offset", "0",
-                "--state-file", str(self.state), *extra]
+                "--state-file", str(self.state), "--secrets-dir", str(out / "secrets"), *extra]
+        self.secrets = out / "secrets"  # the audit presents the workers' and the operator's tokens
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                      stderr=open(self.log, "w"))  # noqa: SIM115
         self.seen_pids: set[int] = set()
@@ -151,7 +152,7 @@ class System:
         from protos import worker_pb2_grpc as pb_grpc
         from services.worker.auth import WorkerAccess
 
-        access = WorkerAccess.from_env()  # the token and TLS files `pdserve up` gave its workers
+        access = WorkerAccess(token=self._secret("worker-token"))  # what `up` gave its router
         verdicts: dict[str, str] = {}
         deadline = time.monotonic() + timeout_s
         for comp in self.components():
@@ -180,7 +181,8 @@ class System:
         from kvstore.client import KVStoreClient
 
         store = next(c["target"] for c in self.components() if c["kind"] == "kvstore")
-        client = KVStoreClient(f"grpc://{store}", timeout_s=5, use_shm=False)
+        client = KVStoreClient(f"grpc://{store}", timeout_s=5, use_shm=False,
+                               token=self._secret("kv-admin-token"))  # stats: the admin role
         deadline = time.monotonic() + timeout_s
         try:
             while (leased := client.stats().leased) and time.monotonic() < deadline:
@@ -188,6 +190,10 @@ class System:
             return int(leased)
         finally:
             client.close()
+
+    def _secret(self, name: str) -> str | None:
+        path = self.secrets / name
+        return path.read_text().strip() if path.exists() else None  # None: up ran with --no-auth
 
     def stop(self) -> int:
         self.note_pids()

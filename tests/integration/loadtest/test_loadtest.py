@@ -92,8 +92,9 @@ def test_refused_requests_are_counted_as_failures(tiny_model_dir: Callable[[str]
     from tests.integration.services.router_util import ServedRouter
 
     model = tiny_model_dir("llama")
+    # --no-auth: the test's own router below calls the worker `up` started
     up = PdserveUp(str(model), "--num-threads", "1", "--kv-cache-gib", "0.05", "--max-model-len", "512",
-                   "--metrics-port-offset", "0", colocated=True)
+                   "--metrics-port-offset", "0", "--no-auth", colocated=True)
     up.start()
     try:
         up.wait_ready(180)
