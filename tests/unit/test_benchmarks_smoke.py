@@ -125,4 +125,8 @@ def test_bench_kvstore_runs_every_system(capsys: pytest.CaptureFixture[str]) -> 
 
     assert bench_kvstore.main(["--repeats", "1", "--latency-samples", "3", "--sizes-mb", "1"]) == 0
     out = capsys.readouterr().out
-    assert "redis-py SET/GET" in out and "plain gRPC bytes" in out and "put 1 MB" in out
+    assert "redis-py SET/GET" in out and "plain gRPC bytes" in out and "pdserve secured" in out
+    rows = table_rows(out)
+    # per row: 4 systems, the secured / open time ratio and its verdict, vs gRPC, vs Redis
+    for measure in ("put 1 MB", "get 1 MB", "30-layer get latency p99 (ms)"):
+        assert float(rows[measure][4]) > 0 and rows[measure][5] in {"ok", "MISS"}
