@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -100,14 +101,23 @@ def test_check_memory_fails_when_the_engine_exceeds_the_budget(
     assert peak_gib > 0.05  # a Python process with torch loaded
 
 
-def test_bench_connector_prints_both_transfer_modes(tiny_model: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_connector_prints_both_transfer_modes_open_and_secured(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from benchmarks import bench_connector
 
-    argv = ["--model", str(tiny_model), "--lengths", "40", "--repeats", "1", "--threads", "1"]
+    # an exported token reaches neither configuration (the secured store knows only its own)
+    monkeypatch.setenv("PDSERVE_KV_TOKEN", "exported-by-the-shell")
+    argv = ["--model", str(tiny_model), "--lengths", "40", "--repeats", "2", "--threads", "1"]
     assert bench_connector.main(argv) == 0
     out = capsys.readouterr().out
     assert "per-layer streaming" in out and "whole request" in out
+    header = next(line for line in out.splitlines() if line.startswith("| transfer"))
+    assert "secured TTFT ms" in header and "secured/open TTFT" in header
+    row = next(line for line in out.splitlines() if line.startswith("| per-layer streaming"))
+    *_, xfer_cost, ttft_cost, verdict = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert float(xfer_cost) > 0 and float(ttft_cost) > 0 and verdict in {"ok", "MISS"}
+    assert os.environ["PDSERVE_KV_TOKEN"] == "exported-by-the-shell"  # restored
 
 
 def test_bench_kv_reuse_loads_the_prefix(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
