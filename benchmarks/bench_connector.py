@@ -10,14 +10,26 @@ Per prompt length (256, 1,024, 2,048 tokens) and per transfer mode, in one run:
 Target: (save tail + load) <= 10% of prefill compute at 1,024 tokens and above (streaming).
 Default model, float32, 2 threads; medians of the repeats, fresh prompts each time.
 
+Each measure is taken in two configurations, in the same run (issue #19):
+- open: a `pdserve kvstore` without tokens, engines without checksums (integrity_checks off);
+- secured: a second store started with `--auth-file`, the engines' store clients presenting a
+  producer,consumer token (PDSERVE_KV_TOKEN, set while they are built) and keyed BLAKE3
+  checksums on (PDSERVE_KV_INTEGRITY_KEY): put by the producer, verified by the consumer.
+Each repeat runs one prompt through both pairs of engines, open and secured alternating which
+goes first, so noise from elsewhere hits both. The secured / open ratios of (save tail + load)
+and of TTFT show the cost of security; target for TTFT <= 1.05 (a cost under 5%).
+
     python benchmarks/bench_connector.py [--repeats 3] [--lengths 256,1024,2048]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import secrets
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +47,10 @@ from benchmarks.common import (
 from benchmarks.kvstore_process import StoreProcess
 from engine.config import DEFAULT_MODEL
 
+TOKEN_ENV, INTEGRITY_ENV = "PDSERVE_KV_TOKEN", "PDSERVE_KV_INTEGRITY_KEY"  # kvstore/connect.py, integrity.py
+CLIENT_ENV = (TOKEN_ENV, f"{TOKEN_ENV}_FILE", INTEGRITY_ENV, f"{INTEGRITY_ENV}_FILE")
+COST_TARGET = 1.05  # secured / open TTFT: a cost under 5%
+
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -42,24 +58,46 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", default="256,1024,2048")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--integrity", choices=["off", "on"], default="on",
-                   help="on: keyed BLAKE3 checksums put by the producer and verified by the consumer "
-                        "(as deployed with PDSERVE_KV_INTEGRITY_KEY); off: none")
     return p.parse_args(argv)
 
 
+@contextlib.contextmanager
+def client_env(values: dict[str, str]) -> Iterator[None]:
+    """The store clients' credential variables set to `values` (the others unset) while
+    engines are built (their clients read them then), restored afterwards."""
+    saved = {k: os.environ.pop(k, None) for k in CLIENT_ENV}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
 def engine(folder: Path, url: str, role: str, stream: bool, threads: int,
-           load_mode: str = "async", integrity: bool = True) -> Any:
+           load_mode: str = "async", secured: bool = False) -> Any:
     from engine.llm import LLM
-    from kvstore.integrity import derive_key
 
     llm = LLM(model=str(folder), num_threads=threads, kv_cache_gib=0.5, max_num_batched_tokens=2048,
               kv_connector="kvstore", kv_role=role, kv_store_url=url, kv_stream_layers=stream,
               kv_load_mode=load_mode, enable_prefix_caching=False)
     worker: Any = llm.engine_core.runner.connector
-    worker.integrity_checks = integrity
-    worker.integrity_key = derive_key("bench") if integrity else None
+    worker.integrity_checks = secured
+    if secured and worker.integrity_key is None:
+        raise RuntimeError(f"the secured engine has no integrity key (${INTEGRITY_ENV} unread)")
     return llm
+
+
+def engine_pair(folder: Path, store: StoreProcess, stream: bool, load_mode: str,
+                threads: int) -> tuple[Any, Any]:
+    """A producer and a consumer of `store`; for a secured store with its token and a keyed
+    checksum secret, passed the way a deployment does: through the environment."""
+    values = {TOKEN_ENV: store.token, INTEGRITY_ENV: secrets.token_hex(16)} if store.token else {}
+    with client_env(values):
+        return (engine(folder, store.url, "kv_producer", stream, threads, secured=store.secured),
+                engine(folder, store.url, "kv_consumer", stream, threads, load_mode, store.secured))
 
 
 def one(producer: Any, consumer: Any, prompt: list[int]) -> dict[str, float]:
@@ -87,6 +125,9 @@ def one(producer: Any, consumer: Any, prompt: list[int]) -> dict[str, float]:
             "ttft": ttft_p + ttft_c}
 
 
+CONFIGS = ("open", "secured")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     set_threads(args.threads)
@@ -94,33 +135,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     vocab = vocab_size(folder)
     rows = []
-    with StoreProcess() as store:
+    with StoreProcess() as open_store, StoreProcess(secured=True) as secured_store:
+        stores = {"open": open_store, "secured": secured_store}
         modes = [(True, "async", "per-layer streaming"), (False, "async", "whole request"),
                  (True, "layerwise", "streaming + layer-wise load")]
         for stream, load_mode, label in modes:
-            on = args.integrity == "on"
-            producer = engine(folder, store.url, "kv_producer", stream, args.threads, integrity=on)
-            consumer = engine(folder, store.url, "kv_consumer", stream, args.threads, load_mode, on)
-            one(producer, consumer, random_token_ids_seeded(64, 999, vocab))  # warm-up
+            pairs = {c: engine_pair(folder, stores[c], stream, load_mode, args.threads) for c in CONFIGS}
+            for c in CONFIGS:  # warm-up at the longest length: no timed run is a first at its shape
+                one(*pairs[c], random_token_ids_seeded(max(lengths), 999, vocab))
             for n in lengths:
-                runs = [one(producer, consumer, random_token_ids_seeded(n, 1000 * r + n + stream, vocab))
-                        for r in range(args.repeats)]
-                m = {k: median([r[k] for r in runs]) for k in runs[0]}
-                share = (m["tail"] + m["load"]) / m["compute"]
+                runs: dict[str, list[dict[str, float]]] = {c: [] for c in CONFIGS}
+                for r in range(args.repeats):
+                    prompt = random_token_ids_seeded(n, 1000 * r + n + stream, vocab)
+                    for c in CONFIGS if r % 2 == 0 else CONFIGS[::-1]:  # alternate who goes first
+                        runs[c].append(one(*pairs[c], prompt))  # same prompt: separate stores
+                m = {c: {k: median([x[k] for x in runs[c]]) for k in runs[c][0]} for c in CONFIGS}
+                o, s = m["open"], m["secured"]
+                share = (o["tail"] + o["load"]) / o["compute"]
+                xfer_cost = (s["tail"] + s["load"]) / (o["tail"] + o["load"])
+                ttft_cost = s["ttft"] / o["ttft"]
                 rows.append([label, n,
-                             f"{m['compute'] * 1e3:.0f}", f"{m['tail'] * 1e3:.1f}",
-                             f"{m['load'] * 1e3:.1f}", f"{m['first'] * 1e3:.1f}",
-                             f"{m['ttft'] * 1e3:.0f}", f"{share:.3f}",
+                             f"{o['compute'] * 1e3:.0f}", f"{o['tail'] * 1e3:.1f}",
+                             f"{o['load'] * 1e3:.1f}", f"{o['first'] * 1e3:.1f}",
+                             f"{o['ttft'] * 1e3:.0f}", f"{share:.3f}",
                              ("ok" if share <= 0.10 else "MISS")
-                             if label == "per-layer streaming" and n >= 1024 else "-"])
-            producer.engine_core.shutdown()
-            consumer.engine_core.shutdown()
-    print(f"disaggregated TTFT split: model {folder.name}, fp32, {args.threads} threads, kvstore "
-          f"process on loopback; median of {args.repeats}; KV checksums {args.integrity}; "
-          f"target (tail + load) / compute <= 0.10")
+                             if label == "per-layer streaming" and n >= 1024 else "-",
+                             f"{s['tail'] * 1e3:.1f}", f"{s['load'] * 1e3:.1f}",
+                             f"{s['ttft'] * 1e3:.0f}", f"{xfer_cost:.2f}", f"{ttft_cost:.3f}",
+                             "ok" if ttft_cost <= COST_TARGET else "MISS"])
+            for pair in pairs.values():
+                for llm in pair:
+                    llm.engine_core.shutdown()
+    print(f"disaggregated TTFT split: model {folder.name}, fp32, {args.threads} threads, two kvstore "
+          f"processes on loopback (open; secured = bearer token + keyed BLAKE3 checksums put and "
+          f"verified), same prompts, runs alternating; median of {args.repeats}; open's split, then "
+          f"secured's; target (tail + load) / compute <= 0.10 (open, streaming, >= 1,024 tokens), "
+          f"secured / open TTFT <= {COST_TARGET}")
     print(markdown_table(["transfer", "prompt tokens", "prefill compute ms", "save tail ms",
                           "load ms", "first decode step ms", "TTFT ms", "(tail+load)/compute",
-                          "target"], rows))
+                          "target", "secured tail ms", "secured load ms", "secured TTFT ms",
+                          "secured/open tail+load", "secured/open TTFT",
+                          f"target <= {COST_TARGET}x"], rows))
     return 0
 
 

@@ -1,20 +1,29 @@
-"""KV store benchmark (issue #4): pdserve's store (memory backend, Arrow Flight) against raw
-redis-py SET/GET on a real redis-server and against plain gRPC bytes (unary calls carrying the
-payload), all on loopback, in one run.
+"""KV store benchmark (issues #4, #19): pdserve's store (memory backend, Arrow Flight) open and
+secured, against raw redis-py SET/GET on a real redis-server and against plain gRPC bytes (unary
+calls carrying the payload), all on loopback, in one run.
+
+"pdserve secured" is a second `pdserve kvstore` started with `--auth-file` (a token file this
+script writes, 0600, in a private temporary directory); its client presents a producer,consumer
+bearer token, its puts carry keyed BLAKE3 checksums and its gets verify them, as the KV
+connector does (kvstore/auth.py, kvstore/integrity.py). Both pdserve stores take the same data
+path: same-host shared memory when the server offers it (the default), else Flight.
 
 Rows: put and get throughput (MB/s of payload, median of the repeats) for 1, 8 and 64 MB
 objects, and for batches of 30 per-layer objects of 256 tokens (KV_T2D, the default model's
 shape: 256 x 2 x 192 float32 = 384 KiB each); then p50 / p99 latency of one 30-layer get.
-Targets: pdserve >= 2x plain gRPC and >= raw Redis throughput for large objects.
+Targets: open pdserve >= 2x plain gRPC and >= raw Redis throughput for large objects; secured
+costs under 5%: its time per operation (1 / throughput, or latency) <= 1.05x open's.
 
     python benchmarks/bench_kvstore.py [--repeats 15] [--latency-samples 100]
 
-All three servers run at once, each in its own process; rounds are interleaved across them.
+All four servers run at once, each in its own process; rounds are interleaved across them, the
+order rotating each round.
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import shutil
 import socket
 import subprocess
@@ -33,11 +42,14 @@ if __package__ in (None, ""):
 import numpy as np
 
 from benchmarks.common import markdown_table, median, percentile
+from benchmarks.kvstore_process import StoreProcess
 from services.procs import free_port
 
 MB = 1_000_000
 LAYER_SHAPE = (256, 2, 192)  # tokens, K/V, kv_heads * head_dim of SmolLM2-135M
 LAYERS = 30
+OPEN, SECURED = "pdserve", "pdserve secured"
+COST_TARGET = 1.05  # secured / open time per operation: a cost under 5%
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -46,44 +58,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--latency-samples", type=int, default=100)
     p.add_argument("--sizes-mb", default="1,8,64")
     p.add_argument("--skip-redis", action="store_true")
-    p.add_argument("--integrity", choices=["off", "on"], default="off",
-                   help="on: pdserve puts carry keyed BLAKE3 checksums and gets verify them, as "
-                        "the KV connector does (kvstore/integrity.py)")
     return p.parse_args(argv)
 
 
 # --- systems: put(items) / get(keys) over (key, metadata, payload) -------------------------
-def wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on {port} after {timeout_s} s")
-
-
 class PdserveStore:
-    """`pdserve kvstore` in its own process, as deployed (each server here has its own)."""
+    """`pdserve kvstore` in its own process, as deployed (each server here has its own).
+    Secured: the server checks tokens, the client presents one, puts carry keyed checksums and
+    gets verify them (a failure raises: the benchmark must not time a broken path)."""
 
-    name = "pdserve (Flight, memory)"
-
-    def __init__(self, integrity: bool = False) -> None:
+    def __init__(self, secured: bool = False) -> None:
         from kvstore.client import KVStoreClient
         from kvstore.integrity import derive_key
 
-        self.key = derive_key("bench") if integrity else None
-        if integrity:
-            self.name = "pdserve (Flight, memory, checksums)"
-        port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "kvstore", "--capacity", "6GiB", "--port",
-             str(port), "--log-level", "WARNING"], cwd=Path(__file__).resolve().parent.parent,
-            stdout=subprocess.DEVNULL)
-        wait_for_port(port, self.proc)
-        self.client = KVStoreClient(f"grpc://127.0.0.1:{port}", timeout_s=120)
+        self.name = SECURED if secured else OPEN
+        self.key = derive_key(secrets.token_hex(16)) if secured else None
+        self.store = StoreProcess(capacity="6GiB", secured=secured)
+        # token "": send none, whatever PDSERVE_KV_TOKEN says (the open store takes any call)
+        self.client = KVStoreClient(self.store.url, timeout_s=120, token=self.store.token or "")
+        self.shm = self.client.shm_dir() is not None
 
     def put(self, items: list[tuple[str, bytes, np.ndarray]]) -> None:
         from kvstore.integrity import checksum
@@ -105,8 +98,7 @@ class PdserveStore:
 
     def close(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
+        self.store.stop()
 
 
 class RawRedis:
@@ -238,15 +230,17 @@ def lmcache_items(chunk_hash: int, payloads: list[np.ndarray], shape: tuple[int,
 
 
 def interleaved(ops: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
-    """Times each system's op `repeats` times, rounds interleaved (A, B, C, A, B, C, ...) so
-    that load from elsewhere on the machine hits every system alike; one warm-up each first."""
+    """Times each system's op `repeats` times, rounds interleaved (A, B, C, then B, C, A, ...:
+    the order rotates each round) so that load from elsewhere on the machine, and whatever one
+    system leaves behind for the next, hits every system alike; one warm-up each first."""
     for fn in ops.values():
         fn()
+    names = list(ops)
     out: dict[str, list[float]] = {name: [] for name in ops}
-    for _ in range(repeats):
-        for name, fn in ops.items():
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
             start = time.perf_counter()
-            fn()
+            ops[name]()
             out[name].append(time.perf_counter() - start)
     return out
 
@@ -276,37 +270,52 @@ def run_all(systems: list[Any], args: argparse.Namespace, rng: np.random.Generat
     return res
 
 
+def cost_cells(cost: float) -> list[object]:
+    """The secured / open time ratio and its verdict against the 5% target."""
+    return [f"{cost:.3f}", "ok" if cost <= COST_TARGET else "MISS"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     rng = np.random.default_rng(0)
-    makers: list[Callable[[], Any]] = [partial(PdserveStore, args.integrity == "on"), PlainGrpc]
+    makers: list[Callable[[], Any]] = [PdserveStore, partial(PdserveStore, True), PlainGrpc]
     if not args.skip_redis:
-        makers.insert(1, RawRedis)
+        makers.insert(2, RawRedis)
     systems: list[Any] = []
     try:
         for make in makers:
             systems.append(make())
+        shm = {s.name: s.shm for s in systems if isinstance(s, PdserveStore)}
+        if shm[OPEN] != shm[SECURED]:
+            raise RuntimeError(f"the pdserve stores take different data paths (shared memory: {shm})")
         results = run_all(systems, args, rng)
     finally:
         for system in systems:
             system.close()
     names = list(results)
-    ours, grpc_name = names[0], "plain gRPC bytes"
+    grpc_name = "plain gRPC bytes"
     redis_name = "redis-py SET/GET" if "redis-py SET/GET" in results else None
+    ours, secured = results[OPEN], results[SECURED]
     rows = []
-    for measure in [m for m in results[ours] if m != "lat"]:
+    for measure in [m for m in ours if m != "lat"]:
         row: list[object] = [measure, *[f"{results[n][measure] / MB:.0f}" for n in names]]
-        row.append(f"{results[ours][measure] / results[grpc_name][measure]:.2f}")
-        row.append(f"{results[ours][measure] / results[redis_name][measure]:.2f}" if redis_name else "-")
+        row += cost_cells(ours[measure] / secured[measure])  # time ratio = inverse throughput ratio
+        row.append(f"{ours[measure] / results[grpc_name][measure]:.2f}")
+        row.append(f"{ours[measure] / results[redis_name][measure]:.2f}" if redis_name else "-")
         rows.append(row)
     for q, label in ((0, "p50"), (1, "p99")):
         row = [f"30-layer get latency {label} (ms)", *[f"{results[n]['lat'][q] * 1e3:.2f}" for n in names]]
-        row.append(f"{results[grpc_name]['lat'][q] / results[ours]['lat'][q]:.2f}")
-        row.append(f"{results[redis_name]['lat'][q] / results[ours]['lat'][q]:.2f}" if redis_name else "-")
+        row += cost_cells(secured["lat"][q] / ours["lat"][q])
+        row.append(f"{results[grpc_name]['lat'][q] / ours['lat'][q]:.2f}")
+        row.append(f"{results[redis_name]['lat'][q] / ours['lat'][q]:.2f}" if redis_name else "-")
         rows.append(row)
     print(f"kvstore benchmark: loopback, median of {args.repeats} interleaved runs (MB/s of "
-          f"payload; latency over {args.latency_samples} gets); ratios > 1 favour pdserve")
-    print(markdown_table(["measure", *names, "vs gRPC", "vs Redis"], rows))
+          f"payload; latency over {args.latency_samples} gets); pdserve same-host shared memory "
+          f"{'on' if shm[OPEN] else 'off'} for both; '{SECURED}' = bearer token + keyed BLAKE3 "
+          f"checksums put and verified; 'secured/open time' = its time per operation over open's "
+          f"(target <= {COST_TARGET}x: cost under 5%); 'vs' ratios > 1 favour open pdserve")
+    print(markdown_table(["measure", *names, "secured/open time", f"target <= {COST_TARGET}x",
+                          "vs gRPC", "vs Redis"], rows))
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -100,14 +101,23 @@ def test_check_memory_fails_when_the_engine_exceeds_the_budget(
     assert peak_gib > 0.05  # a Python process with torch loaded
 
 
-def test_bench_connector_prints_both_transfer_modes(tiny_model: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_connector_prints_both_transfer_modes_open_and_secured(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     from benchmarks import bench_connector
 
-    argv = ["--model", str(tiny_model), "--lengths", "40", "--repeats", "1", "--threads", "1"]
+    # an exported token reaches neither configuration (the secured store knows only its own)
+    monkeypatch.setenv("PDSERVE_KV_TOKEN", "exported-by-the-shell")
+    argv = ["--model", str(tiny_model), "--lengths", "40", "--repeats", "2", "--threads", "1"]
     assert bench_connector.main(argv) == 0
     out = capsys.readouterr().out
     assert "per-layer streaming" in out and "whole request" in out
+    header = next(line for line in out.splitlines() if line.startswith("| transfer"))
+    assert "secured TTFT ms" in header and "secured/open TTFT" in header
+    row = next(line for line in out.splitlines() if line.startswith("| per-layer streaming"))
+    *_, xfer_cost, ttft_cost, verdict = [c.strip() for c in row.strip().strip("|").split("|")]
+    assert float(xfer_cost) > 0 and float(ttft_cost) > 0 and verdict in {"ok", "MISS"}
+    assert os.environ["PDSERVE_KV_TOKEN"] == "exported-by-the-shell"  # restored
 
 
 def test_bench_kv_reuse_loads_the_prefix(tiny_model: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,4 +135,8 @@ def test_bench_kvstore_runs_every_system(capsys: pytest.CaptureFixture[str]) -> 
 
     assert bench_kvstore.main(["--repeats", "1", "--latency-samples", "3", "--sizes-mb", "1"]) == 0
     out = capsys.readouterr().out
-    assert "redis-py SET/GET" in out and "plain gRPC bytes" in out and "put 1 MB" in out
+    assert "redis-py SET/GET" in out and "plain gRPC bytes" in out and "pdserve secured" in out
+    rows = table_rows(out)
+    # per row: 4 systems, the secured / open time ratio and its verdict, vs gRPC, vs Redis
+    for measure in ("put 1 MB", "get 1 MB", "30-layer get latency p99 (ms)"):
+        assert float(rows[measure][4]) > 0 and rows[measure][5] in {"ok", "MISS"}
