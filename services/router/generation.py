@@ -263,29 +263,51 @@ class Generator:
                 if step.token_ids:
                     (self.metrics.ttft if num_tokens == 0 else self.metrics.itl).observe(now - last)
                     last = now
-                num_tokens += len(step.token_ids)
-                checked = len(text)
                 # A worker's "stop" is a stop token (EOS or a stop_token_id; the router applies stop
                 # strings): like vLLM, its text is left out unless stop strings are kept.
                 stop_token = step.finish_reason == "stop" and not include_stop
-                text += detok.update(step.token_ids[:-1] if stop_token else step.token_ids,
-                                     finished=bool(step.finish_reason))
+                added, used, match = detok_until_stop(
+                    detok, text, step.token_ids[:-1] if stop_token else step.token_ids,
+                    bool(step.finish_reason), stops, include_stop)
+                text += added
                 finish = step.finish_reason or None
-                match = find_stop_string(text, checked, stops, include_stop_str=include_stop)
+                token_ids, logprobs = step.token_ids, step.logprobs
                 if match is not None:
                     text, finish = text[:match[1]], "stop"
+                    # Tokens after the one completing the stop string never happened (a step
+                    # carrying several tokens would otherwise report them: vLLM stops per token).
+                    token_ids, logprobs = token_ids[:used], logprobs[:used] if logprobs else logprobs
+                num_tokens += len(token_ids)
                 end = len(text) if finish else max(sent, len(text) - hold_back)
                 if finish:
                     self.metrics.e2e.observe(now - start)
                     self.metrics.success.labels(finish).inc()
                     self.metrics.generation_tokens.inc(num_tokens)
-                yield Delta(index, text[sent:end], step.token_ids, step.logprobs, finish, num_tokens,
+                yield Delta(index, text[sent:end], token_ids, logprobs, finish, num_tokens,
                             step.cached_tokens, token_chars, params.logprobs or 0, step.prompt_logprobs)
-                if step.logprobs:  # completions' logprobs.text_offset continues from here
-                    token_chars += sum(len(decode_token(self.tokenizer, t)) for t in step.token_ids)
+                if logprobs:  # completions' logprobs.text_offset continues from here
+                    token_chars += sum(len(decode_token(self.tokenizer, t)) for t in token_ids)
                 sent = end
                 if finish:
                     return  # leaving the loop early cancels the decode call
+
+
+def detok_until_stop(detok: IncrementalDetokenizer, text: str, ids: Sequence[int], finished: bool,
+                     stops: list[str], include_stop: bool) -> tuple[str, int, tuple[str, int] | None]:
+    """The text `ids` add after `text`, how many of them were used, and the stop-string match:
+    with stop strings and several tokens, token by token up to the one that completes a stop
+    string (the rest are not used)."""
+    if not stops or len(ids) < 2:
+        added = detok.update(list(ids), finished=finished)
+        match = find_stop_string(text + added, len(text), stops, include_stop_str=include_stop)
+        return added, len(ids), match
+    added = ""
+    for i, token in enumerate(ids):
+        added += detok.update([token], finished=finished and i == len(ids) - 1)
+        match = find_stop_string(text + added, len(text), stops, include_stop_str=include_stop)
+        if match is not None:
+            return added, i + 1, match
+    return added, len(ids), None
 
 
 def _encode(proc: Processor, prompt: Text, template: TemplateOptions, add_special_tokens: bool

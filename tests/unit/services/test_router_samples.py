@@ -90,6 +90,28 @@ async def test_the_stop_token_is_left_out_of_the_text_unless_stop_strings_are_ke
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("include_stop", [False, True])
+async def test_a_stop_string_inside_a_multi_token_step_ends_the_sample_at_its_token(
+        generator: Generator, tokenizer: Any, include_stop: bool) -> None:
+    """A step may carry several tokens (a decode worker's chunk while the router was busy): the
+    tokens after the one completing a stop string are not reported (ids, logprobs, usage), so
+    the sample is the same whatever the chunking, as vLLM's per-token stop check gives."""
+    ids = tokenizer("one two three four five six").input_ids
+    got = {}
+    for chunk in (1, 4, len(ids)):
+        generator.dispatcher = ScriptedDispatcher(ids, chunk)  # type: ignore[assignment]
+        opts = RunOptions(SamplingParams(max_tokens=64), stops=("three",), include_stop=include_stop)
+        text, tokens, usage = "", [], 0
+        async for delta in generator.run("r", [[1]], opts):
+            text, tokens, usage = text + delta.text, tokens + list(delta.token_ids), delta.completion_tokens
+        got[chunk] = (text, tokens, usage)
+    text, tokens, usage = got[1]
+    assert text == ("one two three" if include_stop else "one two ")
+    assert tokenizer.decode(tokens).endswith("three") and usage == len(tokens) < len(ids)
+    assert got[4] == got[len(ids)] == got[1]
+
+
+@pytest.mark.asyncio
 async def test_a_batch_runs_n_samples_per_prompt_numbered_as_vllm(generator: Generator) -> None:
     generator.dispatcher = ScriptedDispatcher([42], 1)  # type: ignore[assignment]
     opts = RunOptions(SamplingParams(max_tokens=4, seed=7), n=2)
