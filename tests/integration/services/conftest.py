@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -35,34 +37,45 @@ def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
 StartWorker = Callable[[WorkerRole], Awaitable[WorkerServer]]
 
 
+def worker_options(model_dir: Path, store: KVStoreService, role: WorkerRole, **kw: Any) -> WorkerOptions:
+    """A worker of `role` on the tiny model and the store, on a free port."""
+    config = engine_config(model_dir, kv_store_url=store.location)
+    return WorkerOptions(role=role, engine=config, port=free_port(), **{"grace_s": 5.0, **kw})
+
+
 @pytest.fixture(scope="module")
 def start_worker(model_dir: Path, store: KVStoreService) -> StartWorker:
     """`await start_worker(role)`: a started worker on the tiny model; the caller stops it."""
 
     async def start(role: WorkerRole) -> WorkerServer:
-        config = engine_config(model_dir, kv_store_url=store.location)
-        server = WorkerServer(WorkerOptions(role=role, engine=config, grace_s=5.0, port=free_port()))
+        server = WorkerServer(worker_options(model_dir, store, role))
         await server.start()
         return server
 
     return start
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def workers(start_worker: StartWorker) -> AsyncIterator[dict[str, WorkerServer]]:
-    """One worker of each role, by role name (started together: their engine cores load at once)."""
-    import asyncio
-
-    started = await asyncio.gather(*(start_worker(role) for role in ROLES), return_exceptions=True)
-    servers = {role: s for role, s in zip(ROLES, started, strict=True) if isinstance(s, WorkerServer)}
+@contextlib.asynccontextmanager
+async def running_together(servers: dict[str, WorkerServer]) -> AsyncIterator[dict[str, WorkerServer]]:
+    """Starts `servers` at once (their engine cores load in parallel); stops every one of them
+    at the end, also when one failed to start (its error is raised)."""
+    started = await asyncio.gather(*(s.start() for s in servers.values()), return_exceptions=True)
     try:
-        for s in started:
-            if isinstance(s, BaseException):
-                raise s
+        for result in started:
+            if isinstance(result, BaseException):
+                raise result
         yield servers
     finally:
         for server in servers.values():
             await server.stop(grace_s=1.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def workers(model_dir: Path, store: KVStoreService) -> AsyncIterator[dict[str, WorkerServer]]:
+    """One worker of each role, by role name (started together)."""
+    async with running_together({role: WorkerServer(worker_options(model_dir, store, role))
+                                 for role in ROLES}) as servers:
+        yield servers
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

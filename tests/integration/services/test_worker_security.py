@@ -27,7 +27,7 @@ from services.router.dispatch import DispatchOptions
 from services.worker.auth import DENIED, ExposedWorkerError, WorkerAccess
 from services.worker.client import WorkerClient, WorkerError
 from services.worker.server import WorkerOptions, WorkerServer
-from tests.integration.services.conftest import engine_config
+from tests.integration.services.conftest import running_together, worker_options
 from tests.integration.services.router_util import ServedRouter
 from tests.integration.services.tls_util import Certs, make_certs
 
@@ -48,23 +48,12 @@ async def secured(model_dir: Path, store: KVStoreService, certs: Certs
                   ) -> AsyncIterator[dict[str, WorkerServer]]:
     """prefill + decode with the token; "mtls": colocated over mutual TLS (client certificates
     required), with the token too. Started together."""
-    engine = engine_config(model_dir, kv_store_url=store.location)
-    options = {
-        "prefill": WorkerOptions(role="prefill", engine=engine, port=free_port(), token=TOKEN),
-        "decode": WorkerOptions(role="decode", engine=engine, port=free_port(), token=TOKEN),
-        "mtls": WorkerOptions(role="colocated", engine=engine, port=free_port(), token=TOKEN,
-                              tls=TLSFiles(certs.server_cert, certs.server_key, certs.ca)),
-    }
-    servers = {name: WorkerServer(o) for name, o in options.items()}
-    started = await asyncio.gather(*(s.start() for s in servers.values()), return_exceptions=True)
-    try:
-        for result in started:
-            if isinstance(result, BaseException):
-                raise result
+    tls = TLSFiles(certs.server_cert, certs.server_key, certs.ca)
+    servers = {"prefill": WorkerServer(worker_options(model_dir, store, "prefill", token=TOKEN)),
+               "decode": WorkerServer(worker_options(model_dir, store, "decode", token=TOKEN)),
+               "mtls": WorkerServer(worker_options(model_dir, store, "colocated", token=TOKEN, tls=tls))}
+    async with running_together(servers):
         yield servers
-    finally:
-        for server in servers.values():
-            await server.stop(grace_s=1.0)
 
 
 def router_config(model_dir: Path, decode: str, prefill: str | None = None,
