@@ -186,6 +186,23 @@ def test_combined_roles(store, admin) -> None:
     assert admin.delete([item(3)[0]]) == 1
 
 
+def test_every_action_has_a_role_and_a_missing_one_means_admin(store) -> None:
+    """The permission table covers every action the server has; an action added without an
+    entry is admin-only (fail closed), never open to any token."""
+    from kvstore.auth import PERMISSIONS, check_role
+
+    assert set(store.server._actions) <= set(PERMISSIONS)
+
+    class Context:
+        def get_middleware(self, key: str) -> Any:
+            from kvstore.auth import CallerRoles
+
+            return CallerRoles(frozenset({"producer", "consumer"}))
+
+    with pytest.raises(flight.FlightUnauthorizedError, match="needs the 'admin' role"):
+        check_role(Context(), "some_new_action", True)
+
+
 def test_token_from_the_environment(store, admin, tmp_path, monkeypatch) -> None:
     (tmp_path / "tok").write_text("p-tok\n")
     monkeypatch.setenv("PDSERVE_KV_TOKEN_FILE", str(tmp_path / "tok"))
