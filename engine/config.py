@@ -78,6 +78,9 @@ class EngineConfig:
     sjf_max_wait_s: float = 10.0
     seed: int = 0
     num_threads: int | None = None
+    # Structured outputs: "auto" picks xgrammar, else llguidance for what xgrammar cannot compile
+    # (as vLLM); "xgrammar" / "guidance" use only that one.
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.model), "model", "must be a model name or path")
@@ -123,6 +126,9 @@ class EngineConfig:
                f"must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         _check(self.sjf_max_wait_s > 0, "sjf_max_wait_s",
                f"must be positive, got {self.sjf_max_wait_s}")
+        _check(self.structured_outputs_backend in ("auto", "xgrammar", "guidance"),
+               "structured_outputs_backend", f"must be auto, xgrammar or guidance, got "
+               f"{self.structured_outputs_backend!r}")
         if self.num_threads is not None:
             _check(self.num_threads >= 1, "num_threads", f"must be at least 1, got {self.num_threads}")
 

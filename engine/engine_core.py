@@ -25,6 +25,8 @@ from engine.core.outputs import (
 )
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.runner import GrammarBitmask
+from engine.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,10 @@ class EngineCore:
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.step_seconds = Histogram.with_bounds(STEP_SECONDS_BUCKETS)  # steps that computed tokens
+        # Grammars compile in the manager's threads; its tokenizer loads with the first one.
+        self.structured = StructuredOutputManager(
+            str(resolve_model_path(config.tokenizer) if config.tokenizer else path), model.vocab_size,
+            _eos_token_id(hf_config), config.structured_outputs_backend)
         if config.kv_connector is not None:
             from engine.connector.factory import make_kvstore_connector
 
@@ -78,7 +84,10 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request; raises ValueError naming the field when it cannot be served."""
         self._validate(request)
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        core_request = Request.from_engine_core_request(request)
+        if request.sampling_params.structured_outputs is not None:
+            core_request.grammar = self.structured.start(request.sampling_params.structured_outputs)
+        self.scheduler.add_request(core_request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Ends the requests and frees their blocks; emits no output for them."""
@@ -89,13 +98,25 @@ class EngineCore:
             return EngineCoreOutputs()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
+        bitmask = self._grammar_bitmask(scheduler_output.structured_output_request_ids)
+        runner_output = self.runner.execute_model(scheduler_output, bitmask)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if scheduler_output.num_scheduled_tokens:
             self.step_seconds.observe(time.perf_counter() - start)
         elif not outputs.outputs:
-            time.sleep(0.001)  # only KV loads in flight: do not spin
+            time.sleep(0.001)  # only KV loads in flight or grammars compiling: do not spin
         return outputs
+
+    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
+        """The bitmask rows of this step's constrained samplers (one pass over their matchers)."""
+        if not req_ids:
+            return None
+        matchers = []
+        for req_id in req_ids:
+            grammar = self.scheduler.requests[req_id].grammar
+            assert grammar is not None and grammar.matcher is not None
+            matchers.append(grammar.matcher)
+        return GrammarBitmask(req_ids, self.structured.bitmask(matchers))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -129,6 +150,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
+        self.structured.shutdown()
         if self.runner.connector is not None:
             self.runner.connector.shutdown()
 

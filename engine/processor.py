@@ -15,6 +15,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core.outputs import EngineCoreRequest
 from engine.sampling_params import SamplingParams
+from engine.structured.select import choose_backend
 
 # A prompt: text, token ids, chat messages ({"role": ..., "content": ...}), or vLLM's prompt
 # dict: {"prompt": text} or {"prompt_token_ids": ids}, with an optional "cache_salt".
@@ -91,6 +92,9 @@ class Processor:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids)
                              + num_prior_outputs)
         check_cache_salt(cache_salt)
+        if params.structured_outputs is not None and params.structured_outputs.backend is None:
+            params = replace(params, structured_outputs=choose_backend(
+                params.structured_outputs, self.config.structured_outputs_backend))
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             return [self._request(request_id, prompt_token_ids, params, arrival, priority,

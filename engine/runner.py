@@ -29,6 +29,7 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.prompt_logprobs import prompt_logprobs
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
+from engine.structured.bitmask import apply_token_bitmask
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorWorker
@@ -78,6 +79,14 @@ class RequestState:
         self.token_buf[self.num_tokens] = token_id
         self.num_tokens += 1
         self.output_token_ids.append(token_id)
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's grammar bitmask: row i for request req_ids[i] (engine/structured/bitmask.py)."""
+
+    req_ids: list[str]
+    bitmask: torch.Tensor  # [len(req_ids), ceil(vocab / 32)] int32
 
 
 @dataclass
@@ -180,16 +189,18 @@ class ModelRunner:
 
     # --- one step ---------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput,
+                      grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         """Runs one step: updates request state, runs the model on the scheduled tokens, and
-        samples one token for each request whose scheduled tokens reach its last token."""
+        samples one token for each request whose scheduled tokens reach its last token (those in
+        `grammar` among the tokens its bitmask allows)."""
         self._update_states(scheduler_output)
         connector = self.connector
         if connector is not None:
             connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
             connector.start_load_kv()
         try:
-            out = self._execute(scheduler_output)
+            out = self._execute(scheduler_output, grammar)
         finally:
             if connector is not None:
                 connector.wait_for_save()
@@ -199,7 +210,8 @@ class ModelRunner:
             out.kv_connector_output = out_kv
         return out
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def _execute(self, scheduler_output: SchedulerOutput,
+                 grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], [], [])
         batch = self._prepare_batch(scheduler_output.num_scheduled_tokens)
@@ -225,6 +237,8 @@ class ModelRunner:
         if batch.sample_req_idx:
             logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_sampled, vocab]
             states = [self.requests[batch.req_ids[i]] for i in batch.sample_req_idx]
+            if grammar is not None:
+                self._apply_grammar(logits, states, grammar)
             out = self.sampler(logits, self._sampling_metadata(states))
             self._record(batch, states, out, sampled, logprobs)
         any_logprobs = any(lp is not None for lp in logprobs)
@@ -315,6 +329,15 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     # --- sampling ---------------------------------------------------------------------
+    def _apply_grammar(self, logits: torch.Tensor, states: list[RequestState],
+                       grammar: GrammarBitmask) -> None:
+        """Masks each constrained row's logits with its bitmask row (before any sampling step)."""
+        rows = {s.req_id: row for row, s in enumerate(states)}
+        pairs = [(i, rows[r]) for i, r in enumerate(grammar.req_ids) if r in rows]
+        if len(pairs) != len(grammar.req_ids):
+            raise RuntimeError(f"grammar rows {grammar.req_ids} do not all sample this step")
+        apply_token_bitmask(logits, grammar.bitmask, [row for _, row in pairs])
+
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(
             params=[s.sampling_params for s in states],

@@ -9,6 +9,8 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from engine.structured.params import StructuredOutputsParams
+
 
 class RequestOutputKind(enum.IntEnum):
     """How outputs are reported while a request runs."""
@@ -33,6 +35,8 @@ class SamplingParams:
     restricts sampling to those ids; `bad_words_token_ids` (the tokenized `bad_words`) bans each
     sequence's last token when the output ends with the rest of it; `prompt_logprobs=N` returns,
     for each prompt position after the first, the prompt token's logprob and the top-N.
+    `structured_outputs` constrains the output (engine/structured): a grammar bitmask is applied
+    to the logits before every other step of sampling, and a grammar that ends stops the request.
     """
 
     n: int = 1
@@ -60,6 +64,8 @@ class SamplingParams:
     # As vLLM: {"do_remote_decode": True} on a prefill request; the prefill's returned
     # kv_transfer_params (with "do_remote_prefill": True) on the decode request.
     kv_transfer_params: dict[str, Any] | None = None
+    # The output is constrained to a JSON schema, regex, choice, grammar or structural tag.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,6 +160,9 @@ class SamplingParams:
                 "bad_words",
                 "must tokenize to non-empty sequences of token ids",
             )
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """ValueError naming the field when a token id is outside [0, vocab_size)."""

@@ -130,6 +130,9 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)  # their blocks are gone
     num_common_prefix_blocks: int = 0
     kv_connector_metadata: object | None = None
+    # Requests with structured outputs that sample this step, in batch order: the engine core
+    # fills their grammar bitmask rows.
+    structured_output_request_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.core.outputs import EngineCoreRequest, FinishReason, LogprobsEntry, RequestTimes
 from engine.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from engine.structured.manager import GrammarState
+
 
 class RequestStatus(enum.IntEnum):
+    WAITING_FOR_FSM = -1  # its structured-output grammar is compiling
     WAITING = 0
     WAITING_FOR_REMOTE_KVS = 1
     RUNNING = 2
@@ -74,6 +78,7 @@ class Request:
         self.max_tokens = sampling_params.max_tokens
         self.kv_transfer_params: dict[str, Any] | None = None  # set by a connector at the end
         self.prompt_logprobs: list[LogprobsEntry] = []  # prompt positions 1.. so far (if asked)
+        self.grammar: GrammarState | None = None  # with structured_outputs (set by the engine core)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -32,6 +32,7 @@ from engine.core.outputs import (
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import ShortestFirstQueue, make_queue, tokens_left
 from engine.core.request_stats import SchedulerCounters
+from engine.core.scheduler_fsm import GrammarWaits
 from engine.core.scheduler_kv import KVLoads
 from engine.core.stop_check import check_stop
 
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(KVLoads):
+class Scheduler(KVLoads, GrammarWaits):
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None) -> None:
         self.max_model_len = config.model_len
@@ -57,13 +58,14 @@ class Scheduler(KVLoads):
         self._known_by_runner: set[str] = set()
         self.counters = SchedulerCounters.create(config.model_len)
         KVLoads.__init__(self, connector, config.kv_load_failure_policy)
+        GrammarWaits.__init__(self)
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        self._queue(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """Ends the given unfinished requests (e.g. aborts); unknown ids are ignored."""
@@ -74,6 +76,8 @@ class Scheduler(KVLoads):
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif self._drop_fsm_wait(request):
+                pass
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self.waiting_for_kv[req_id]
                 request.status = status
@@ -89,7 +93,7 @@ class Scheduler(KVLoads):
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kv)
-                or bool(self._aborted_loading))
+                or bool(self._aborted_loading) or bool(self.waiting_for_fsm))
 
     @property
     def num_waiting(self) -> int:
@@ -106,6 +110,8 @@ class Scheduler(KVLoads):
         new_blocks: dict[str, list[int]] = {}
         preempted: list[Request] = []
         now = time.time()
+        if self.waiting_for_fsm:
+            self._admit_compiled()
 
         deferred = self._sjf_deferred(now) if isinstance(self.waiting, ShortestFirstQueue) else set()
         budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted, deferred)
@@ -115,6 +121,7 @@ class Scheduler(KVLoads):
             if deferred and budget > 0:
                 self._schedule_running(budget, num_scheduled, new_blocks, preempted, only=deferred)
         out = self._build_output(num_scheduled, new_blocks, resumed, preempted)
+        out.structured_output_request_ids = self.constrained_samplers(num_scheduled)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         for req_id, n in num_scheduled.items():
@@ -347,7 +354,12 @@ class Scheduler(KVLoads):
             out = EngineCoreOutput(req_id, list(token_ids), [lp] if lp is not None else None)
             if first and request.sampling_params.prompt_logprobs is not None:
                 out.prompt_logprobs = list(request.prompt_logprobs)
-            if check_stop(request, self.max_model_len):
+            grammar_error = self._advance_grammar(request, token_ids)
+            if grammar_error is not None:
+                self._fail(request, grammar_error)
+                outputs.append(self._failed_outputs.pop())
+                continue
+            if request.is_finished or check_stop(request, self.max_model_len):
                 self.running.remove(request)
                 self._free(request)
                 request.times.finished_time = now

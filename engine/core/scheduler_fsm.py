@@ -1,0 +1,82 @@
+"""The scheduler's structured-output side (pure Python: matchers, never tensors).
+
+A request with `structured_outputs` waits in `waiting_for_fsm` (status WAITING_FOR_FSM) while
+its grammar compiles in the structured-output manager's threads; other requests run meanwhile.
+Once compiled it joins the waiting queue, its matcher advanced over the sample's earlier outputs
+(the prefill worker's first token on a decode worker). Each step the scheduler lists the
+constrained requests that sample (the engine fills their bitmask rows), and after the step
+advances each matcher by the sampled tokens: a request whose grammar ended stops (`stop`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from engine.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from engine.core.request_queue import RequestQueue
+
+
+class GrammarWaits:
+    waiting: RequestQueue
+    requests: dict[str, Request]
+
+    def __init__(self) -> None:
+        self.waiting_for_fsm: dict[str, Request] = {}
+
+    def _fail(self, request: Request, reason: str) -> None:  # KVLoads's
+        raise NotImplementedError
+
+    def _queue(self, request: Request) -> None:
+        """A new request: to the waiting queue, or to wait for its grammar."""
+        if request.grammar is not None and request.grammar.matcher is None:
+            request.status = RequestStatus.WAITING_FOR_FSM
+            self.waiting_for_fsm[request.request_id] = request
+        else:
+            self.waiting.add(request)
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the waiting queue (or fail: a grammar
+        that does not compile, or earlier outputs it does not accept)."""
+        for req_id in [r for r, req in self.waiting_for_fsm.items() if req.grammar and req.grammar.ready]:
+            request = self.waiting_for_fsm.pop(req_id)
+            assert request.grammar is not None
+            error = request.grammar.finish(request.output_token_ids)
+            if error is not None:
+                self._fail(request, error)
+                continue
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+
+    def _drop_fsm_wait(self, request: Request) -> bool:
+        """Takes a request out of waiting_for_fsm (an abort); False when it was not there."""
+        if self.waiting_for_fsm.pop(request.request_id, None) is None:
+            return False
+        if request.grammar is not None:
+            request.grammar.cancel()
+        return True
+
+    def constrained_samplers(self, num_scheduled: dict[str, int]) -> list[str]:
+        """Scheduled requests with a grammar whose step samples (reaches their last token), in
+        batch order. Called before num_computed_tokens advances."""
+        out = []
+        for req_id, n in num_scheduled.items():
+            request = self.requests[req_id]
+            if (request.grammar is not None and request.grammar.matcher is not None
+                    and request.num_computed_tokens + n >= request.num_tokens):
+                out.append(req_id)
+        return out
+
+    def _advance_grammar(self, request: Request, token_ids: list[int]) -> str | None:
+        """Moves the request's matcher over its new tokens; an error text when one is refused
+        (it cannot be: the bitmask only allows what the grammar accepts), else None. A grammar
+        that ended sets FINISHED_STOPPED."""
+        grammar = request.grammar
+        if grammar is None or grammar.matcher is None:
+            return None
+        if not grammar.matcher.accept_tokens(token_ids):
+            return f"structured outputs: the grammar refused sampled token(s) {token_ids}"
+        if grammar.matcher.is_terminated() and not request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        return None

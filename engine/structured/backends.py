@@ -1,0 +1,101 @@
+"""The two grammar backends behind one interface: compile a spec once, make a matcher per request.
+
+A matcher's `accept_tokens` / `is_terminated` are plain Python (the scheduler calls them); only
+`fill_bitmask` touches a tensor (the manager calls it, between scheduling and the model step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from engine.structured.params import StructuredOutputsParams
+from engine.structured.select import guidance_grammar, xgrammar_grammar
+
+
+class Matcher(Protocol):
+    """One request's position in its grammar."""
+
+    def accept_tokens(self, token_ids: list[int]) -> bool: ...  # False: a token the grammar forbids
+    def is_terminated(self) -> bool: ...  # the grammar ended (its stop token accepted)
+
+
+class Backend(Protocol):
+    name: str
+
+    def compile(self, params: StructuredOutputsParams) -> Any: ...
+    def matcher(self, compiled: Any) -> Matcher: ...
+
+
+class XgrammarMatcher:
+    def __init__(self, matcher: Any) -> None:
+        self.inner = matcher  # xgrammar.GrammarMatcher
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        return all(not self.inner.is_terminated() and self.inner.accept_token(t) for t in token_ids)
+
+    def is_terminated(self) -> bool:
+        return bool(self.inner.is_terminated())
+
+
+class GuidanceMatcher:
+    def __init__(self, matcher: Any) -> None:
+        self.inner = matcher  # llguidance.LLMatcher
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        if self.inner.is_stopped():
+            return False
+        return bool(self.inner.consume_tokens(token_ids)) and not self.inner.is_error()
+
+    def is_terminated(self) -> bool:
+        return bool(self.inner.is_stopped())
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        fill_next_token_bitmask(self.inner, bitmask, row)
+
+
+class XgrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids or None)
+        # the manager caches compiled grammars by spec; xgrammar's own cache would hold them twice
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        return self.compiler.compile_grammar(xgrammar_grammar(params))
+
+    def matcher(self, compiled: Any) -> XgrammarMatcher:
+        import xgrammar as xgr
+
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled))
+
+
+class GuidanceBackend:
+    name = "guidance"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+        from llguidance.hf import from_tokenizer
+
+        self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                        eos_token=stop_token_ids or None)
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        from llguidance import LLMatcher
+
+        grammar = guidance_grammar(params)
+        error = LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise ValueError(error)
+        return grammar
+
+    def matcher(self, compiled: Any) -> GuidanceMatcher:
+        from llguidance import LLMatcher
+
+        return GuidanceMatcher(LLMatcher(self.tokenizer, compiled))
