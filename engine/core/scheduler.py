@@ -359,7 +359,7 @@ class Scheduler(KVLoads, GrammarWaits):
                 self._fail(request, grammar_error)
                 outputs.append(self._failed_outputs.pop())
                 continue
-            if request.is_finished or check_stop(request, self.max_model_len):
+            if check_stop(request, self.max_model_len) or self._grammar_ended(request):
                 self.running.remove(request)
                 self._free(request)
                 request.times.finished_time = now

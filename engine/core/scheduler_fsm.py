@@ -70,13 +70,20 @@ class GrammarWaits:
 
     def _advance_grammar(self, request: Request, token_ids: list[int]) -> str | None:
         """Moves the request's matcher over its new tokens; an error text when one is refused
-        (it cannot be: the bitmask only allows what the grammar accepts), else None. A grammar
-        that ended sets FINISHED_STOPPED."""
+        (it cannot be: the bitmask only allows what the grammar accepts), else None."""
         grammar = request.grammar
         if grammar is None or grammar.matcher is None:
             return None
         if not grammar.matcher.accept_tokens(token_ids):
             return f"structured outputs: the grammar refused sampled token(s) {token_ids}"
-        if grammar.matcher.is_terminated() and not request.is_finished:
-            request.status = RequestStatus.FINISHED_STOPPED
         return None
+
+    @staticmethod
+    def _grammar_ended(request: Request) -> bool:
+        """After check_stop (length limits first, as vLLM): a grammar that ended (its stop token
+        accepted, even under ignore_eos) stops the request."""
+        grammar = request.grammar
+        if grammar is None or grammar.matcher is None or not grammar.matcher.is_terminated():
+            return False
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True

@@ -7,6 +7,7 @@ from typing import Any
 from engine.connector.transfer_params import check_transfer_params
 from engine.outputs import CompletionOutput, PromptLogprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from protos import worker_pb2 as pb
 
 # A prompt's logprobs (prompt_logprobs: about 16 bytes per candidate per prompt token) outgrow
@@ -30,7 +31,9 @@ def params_from_proto(msg: pb.SamplingParams, output_kind: RequestOutputKind = R
         allowed_token_ids=list(msg.allowed_token_ids) or None,
         bad_words_token_ids=[list(w.token_ids) for w in msg.bad_words] or None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
-        output_kind=output_kind, kv_transfer_params=kv_transfer_params)
+        output_kind=output_kind, kv_transfer_params=kv_transfer_params,
+        structured_outputs=(structured_from_proto(msg.structured_outputs)
+                            if msg.HasField("structured_outputs") else None))
 
 
 def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -44,7 +47,42 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty, logit_bias=params.logit_bias,
         allowed_token_ids=params.allowed_token_ids, prompt_logprobs=params.prompt_logprobs,
-        bad_words=[pb.TokenIds(token_ids=w) for w in params.bad_words_token_ids or ()])
+        bad_words=[pb.TokenIds(token_ids=w) for w in params.bad_words_token_ids or ()],
+        structured_outputs=structured_to_proto(params.structured_outputs))
+
+
+def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
+    """ValueError naming the field when no constraint is set or the backend is unknown."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError("structured_outputs must set one constraint")
+    if msg.backend not in ("", "xgrammar", "guidance"):
+        raise ValueError(f"structured_outputs.backend must be xgrammar or guidance, got {msg.backend!r}")
+    value: Any = getattr(msg, kind)
+    name = {"json_schema": "json", "choice": "choice"}.get(kind, kind)
+    if kind == "choice":
+        value = list(msg.choice.choices)
+    return StructuredOutputsParams(
+        **{name: value}, disable_any_whitespace=msg.disable_any_whitespace,
+        whitespace_pattern=msg.whitespace_pattern if msg.HasField("whitespace_pattern") else None,
+        backend=msg.backend or None)
+
+
+def structured_to_proto(params: StructuredOutputsParams | None) -> pb.StructuredOutputs | None:
+    if params is None:
+        return None
+    msg = pb.StructuredOutputs(disable_any_whitespace=params.disable_any_whitespace,
+                               whitespace_pattern=params.whitespace_pattern, backend=params.backend or "")
+    kind = params.kind
+    if kind == "json":
+        msg.json_schema = params.json or ""
+    elif kind == "choice":
+        msg.choice.choices.extend(params.choice or [])
+    elif kind == "json_object":
+        msg.json_object = True
+    else:
+        setattr(msg, kind, getattr(params, kind))
+    return msg
 
 
 def kv_params_from_proto(msg: pb.KVTransferParams | None, num_tokens: int, chunk_size: int
