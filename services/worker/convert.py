@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from engine.connector.transfer_params import check_transfer_params
 from engine.outputs import CompletionOutput, PromptLogprobs
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.select import choose_backend
 from protos import worker_pb2 as pb
 
 # A prompt's logprobs (prompt_logprobs: about 16 bytes per candidate per prompt token) outgrow
@@ -52,7 +54,17 @@ def params_to_proto(params: SamplingParams) -> pb.SamplingParams:
 
 
 def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
-    """ValueError naming the field when no constraint is set or the backend is unknown."""
+    """ValueError naming the field when no constraint is set, the backend is unknown, or the
+    backend named does not compile the spec (the engine's Processor checks specs only when no
+    backend is chosen yet: a bad spec must fail this call, not the grammar's compile later)."""
+    return _structured(msg.SerializeToString(deterministic=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _structured(wire: bytes) -> StructuredOutputsParams:
+    """Kept per spec (failures are not: lru_cache keeps no exceptions): callers repeat their
+    schemas, and checking one costs milliseconds."""
+    msg = pb.StructuredOutputs.FromString(wire)
     kind = msg.WhichOneof("constraint")
     if kind is None:
         raise ValueError("structured_outputs must set one constraint")
@@ -62,10 +74,10 @@ def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
     name = {"json_schema": "json", "choice": "choice"}.get(kind, kind)
     if kind == "choice":
         value = list(msg.choice.choices)
-    return StructuredOutputsParams(
+    params = StructuredOutputsParams(
         **{name: value}, disable_any_whitespace=msg.disable_any_whitespace,
-        whitespace_pattern=msg.whitespace_pattern if msg.HasField("whitespace_pattern") else None,
-        backend=msg.backend or None)
+        whitespace_pattern=msg.whitespace_pattern if msg.HasField("whitespace_pattern") else None)
+    return choose_backend(params, msg.backend) if msg.backend else params
 
 
 def structured_to_proto(params: StructuredOutputsParams | None) -> pb.StructuredOutputs | None:
