@@ -252,6 +252,10 @@ def _add_router(subparsers: Any) -> None:
                         "(pdserve up holds the port across router restarts)")
     p.add_argument("--disable-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json (with an API key they need it)")
+    p.add_argument("--structured-outputs-backend", choices=["auto", "xgrammar", "guidance"], default="auto",
+                   help="the grammar backend of structured outputs (response_format, structured_outputs, "
+                        "guided_*) unless a request names one in guided_decoding_backend; auto: xgrammar, "
+                        "else llguidance for what xgrammar cannot compile or enforce")
     w = p.add_argument_group("workers (the token comes from $PDSERVE_WORKER_TOKEN or "
                              "$PDSERVE_WORKER_TOKEN_FILE, never argv)")
     w.add_argument("--worker-tls-ca", default=os.environ.get("PDSERVE_WORKER_TLS_CA"), metavar="PATH",
@@ -286,7 +290,8 @@ def _run_router(args: argparse.Namespace) -> int:
                           tenant_cache_salt=args.tenant_cache_salt, admin_keys=load_admin_keys(),
                           max_waiting=args.max_waiting, max_inflight=args.max_inflight,
                           max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
-                          body_timeout_s=args.body_timeout_s, disable_docs=args.disable_docs)
+                          body_timeout_s=args.body_timeout_s, disable_docs=args.disable_docs,
+                          structured_outputs_backend=args.structured_outputs_backend)
     try:
         if args.fd is None:
             bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads

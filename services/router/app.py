@@ -49,6 +49,7 @@ from services.router.openai_models import (
 from services.router.other_endpoints import endpoints_router
 from services.router.prompt_render import echo_chars
 from services.router.render import Reply, respond
+from services.router.structured import requested
 from services.router.tenants import ApiKeyAuth, request_salt
 from services.router.tokens_api import tokens_router
 from services.router.unsupported import log_ignored
@@ -152,6 +153,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         fields = body.sampling_kwargs()
         if body.echo and body.logprobs is not None:  # the echoed prompt's logprobs too
             fields["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+        fields["structured_outputs"] = await gen.constrain(requested(body))
         params = gen.params(max(lens), max_tokens, fields, body.logprobs)
         echo = await _echo_texts(gen, body, prompts) if body.echo else ()
         reply = Reply(gen, body.model, f"cmpl-{uuid.uuid4().hex}", lens, body.n, False,
@@ -169,7 +171,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         keep = gen.truncation(body.truncate_prompt_tokens, body.token_limit)
         ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template, keep)
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = gen.params(len(ids), body.token_limit, body.sampling_kwargs(), top)
+        fields = {**body.sampling_kwargs(), "structured_outputs": await gen.constrain(requested(body))}
+        params = gen.params(len(ids), body.token_limit, fields, top)
         reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", (len(ids),), body.n, True,
                       body.include_usage, body.continuous_usage, role=reply_role(body, body.messages),
                       echo=echo_text(body, body.messages, body.echo), prompt_logprobs=body.prompt_logprobs)

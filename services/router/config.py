@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from services.router.dispatch import DispatchOptions
 
@@ -33,6 +34,9 @@ class RouterConfig:
     tokenizer_threads: int = 2
     inline_chars: int = 4096
     disable_docs: bool = False  # no /docs, /redoc, /openapi.json (404); with api_key they need it
+    # Which grammar backend compiles a request's structured-output constraint, unless the request
+    # names one (guided_decoding_backend): "auto" is xgrammar, else llguidance (as vLLM's).
+    structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = "auto"
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -49,3 +53,6 @@ class RouterConfig:
             raise ValueError("api_keys: every key must be non-empty, without spaces around it or ','")
         if self.tokenizer_threads < 1 or self.inline_chars < 0:
             raise ValueError("tokenizer_threads must be >= 1 and inline_chars >= 0")
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
+            raise ValueError(f"structured_outputs_backend: must be auto, xgrammar or guidance, got "
+                             f"{self.structured_outputs_backend!r}")

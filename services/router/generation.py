@@ -24,12 +24,14 @@ from engine.detokenizer import IncrementalDetokenizer, decode_token
 from engine.output_processor import find_stop_string
 from engine.processor import Processor
 from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams
 from services.router.chat_options import TemplateOptions
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.errors import OpenAIError
 from services.router.fanout import RunOptions, keep_best, merged, plan
 from services.router.metrics import RouterMetrics
+from services.router.structured import BackendChoices, Constraint
 from services.worker.client import PositionLogprobs
 
 Text = str | list[dict[str, Any]]  # a text prompt, or chat messages
@@ -88,6 +90,7 @@ class Generator:
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.inflight = 0
+        self.backends = BackendChoices()
         # A text longer than this many characters cannot fit max_model_len tokens: no token
         # decodes to more characters than its longest vocabulary string.
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
@@ -201,9 +204,22 @@ class Generator:
                               "truncate_prompt_tokens")
         return room if keep == -1 else keep
 
+    async def constrain(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
+        """The request's structured-output constraint with its backend (the request's
+        guided_decoding_backend, else the router's), checked: a 400 naming the field for a spec no
+        backend compiles. Specs longer than inline_chars are checked in the pool."""
+        if constraint is None:
+            return None
+        preferred = constraint.backend or self.config.structured_outputs_backend
+        if len(constraint.params.spec) <= self.config.inline_chars:
+            return self.backends.choose(constraint.params, preferred)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, self.backends.choose, constraint.params, preferred)
+
     def params(self, prompt_len: int, max_tokens: int | None, fields: dict[str, Any],
                logprobs: int | None) -> SamplingParams:
-        """One sample's SamplingParams; the engine's own checks become 400s naming the field."""
+        """One sample's SamplingParams (`fields` with its `structured_outputs` from `constrain`);
+        the engine's own checks become 400s naming the field."""
         room = self.processor.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise OpenAIError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceed "

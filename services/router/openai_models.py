@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from services.router import unsupported
+from services.router.structured_fields import StructuredFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -65,7 +66,7 @@ else:
     _ChatRefused = unsupported.fields_model("_ChatRefused", unsupported.CHAT)
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(StructuredFields):
     model_config = ConfigDict(extra="allow")  # kept in model_extra for the debug line, then ignored
 
     model: StrictStr

@@ -2,10 +2,9 @@
 
 A request that uses one gets a 400 in OpenAI's error format whose `param` names the field, never
 a 200 that silently ignores it (a client banning a token with `logit_bias` must not get it back
-unbanned). A field sent with its no-op value (`"echo": false`, `"best_of": 1`,
-`"response_format": {"type": "text"}`, `"tool_choice": "none"`, ...) asks for
-nothing the server does not do and is accepted. Fields outside both APIs' request schemas are
-ignored, as vLLM does, with a debug log line (`log_ignored`).
+unbanned). A field sent with its no-op value (`"best_of": 1`, `"tool_choice": "none"`, ...)
+asks for nothing the server does not do and is accepted. Fields outside both APIs' request
+schemas are ignored, as vLLM does, with a debug log line (`log_ignored`).
 
 When a field is implemented, it leaves these tables and becomes a typed field of the request
 model in openai_models.py.
@@ -44,10 +43,6 @@ def _one(v: Any) -> bool:
     return v is None or (type(v) in (int, float) and v == 1)
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or v == {"type": "text"}
-
-
 def _no_tool_choice(v: Any) -> bool:
     return v is None or v in ("none", "auto")  # "auto" with no tools chooses none
 
@@ -62,14 +57,6 @@ _SAMPLING: dict[str, tuple[NoOp, str]] = {
     "length_penalty": (_one, "weighs beam-search lengths"),
     "logits_processors": (_empty, "runs custom logits processors"),
     "return_tokens_as_token_ids": (_false, "returns tokens as token ids"),
-    "structured_outputs": (_empty, "constrains the output (structured outputs)"),
-    "guided_json": (_absent, "constrains the output to a JSON schema"),
-    "guided_regex": (_absent, "constrains the output to a regex"),
-    "guided_choice": (_absent, "constrains the output to a choice"),
-    "guided_grammar": (_absent, "constrains the output to a grammar"),
-    "guided_decoding_backend": (_absent, "picks a structured-output backend"),
-    "guided_whitespace_pattern": (_absent, "sets structured outputs' whitespace"),
-    "response_format": (_text_format, "constrains the output format"),
     "kv_transfer_params": (_absent, "takes part in an external KV transfer"),
     "vllm_xargs": (_empty, "passes extra arguments to custom extensions"),
 }

@@ -26,11 +26,8 @@ MESSAGES: list[Any] = [{"role": "user", "content": "Name a colour."}]
 # A value of each refused field that asks for something (its no-op value is accepted, below).
 USED: dict[str, Any] = {
     "use_beam_search": True, "length_penalty": 0.5, "logits_processors": ["my.module:proc"],
-    "return_tokens_as_token_ids": True, "structured_outputs": {"regex": "[a-z]+"},
-    "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= \"a\"", "guided_decoding_backend": "xgrammar",
-    "guided_whitespace_pattern": " ", "response_format": {"type": "json_object"},
-    "kv_transfer_params": {"do_remote_prefill": True}, "vllm_xargs": {"k": 1},
+    "return_tokens_as_token_ids": True, "kv_transfer_params": {"do_remote_prefill": True},
+    "vllm_xargs": {"k": 1},
     "suffix": " and that is all.", "best_of": 3,
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "required", "functions": [{"name": "f", "parameters": {"type": "object"}}],
