@@ -173,6 +173,8 @@ class BackendChoices:
             chosen = choose_backend(params, preferred)
         except ValueError as e:
             raise OpenAIError(400, str(e), params.source) from e
+        except RecursionError as e:  # JSON text nested past what json.loads parses
+            raise OpenAIError(400, f"{params.source}: nested too deeply ({e})", params.source) from e
         assert chosen.backend is not None
         with self._lock:
             self._backends[key] = chosen.backend

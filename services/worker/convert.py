@@ -57,7 +57,10 @@ def structured_from_proto(msg: pb.StructuredOutputs) -> StructuredOutputsParams:
     """ValueError naming the field when no constraint is set, the backend is unknown, or the
     backend named does not compile the spec (the engine's Processor checks specs only when no
     backend is chosen yet: a bad spec must fail this call, not the grammar's compile later)."""
-    return _structured(msg.SerializeToString(deterministic=True))
+    try:
+        return _structured(msg.SerializeToString(deterministic=True))
+    except RecursionError as e:  # JSON text nested past what json.loads parses
+        raise ValueError(f"structured_outputs: nested too deeply ({e})") from None
 
 
 @functools.lru_cache(maxsize=256)

@@ -35,6 +35,7 @@ from schemathesis.specs.openapi.checks import (
 from services.router import unsupported
 from services.router.app import RouterConfig
 from services.router.dispatch import DispatchOptions
+from services.router.structured_fields import StructuredFields
 from services.worker.server import WorkerRole, WorkerServer
 from tests.integration.services.router_util import ServedRouter
 
@@ -84,9 +85,10 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
         "type": "object", "properties": {"enable_thinking": {"type": "boolean"}, "x": {}},
         "additionalProperties": False}]}
     # Fields not implemented yet: valid requests leave them out (any value is a 400 naming them).
+    # Structured outputs too: one form at a time, with a spec that compiles (the edge cases below).
     for name, table in (("CompletionRequest", unsupported.COMPLETION),
                         ("ChatCompletionRequest", unsupported.CHAT)):
-        for field in table:
+        for field in [*table, *StructuredFields.model_fields]:
             spec["components"]["schemas"][name]["properties"][field] = {"type": "null"}
     for path in ("/tokenize", "/detokenize"):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -245,6 +247,15 @@ EDGES = [
                                          "chat_template_kwargs": "x"}), "chat_template_kwargs"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                          "best_of": 2}), "best_of"),
+    ("/v1/completions", _body(guided_json='{"properties": {"a": ' * 5000 + "{}" + "}}" * 5000),
+     "guided_json"),
+    ("/v1/completions", _body(structured_outputs={"regex": "[" * 100_000}), "structured_outputs.regex"),
+    ("/v1/completions", _body(guided_choice=["x" * 1000] * 1000), "guided_choice"),
+    ("/v1/completions", _body(guided_regex="a", structured_outputs={"regex": "b"}), "guided_regex"),
+    ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                         "response_format": {"type": "json_schema", "json_schema": {
+                                             "name": "x", "schema": {"$ref": "#/$defs/none"}}}}),
+     "response_format.json_schema.schema"),
     ("/v1/completions", json.dumps([1, 2, 3]), None),
     ("/v1/completions", "null", None),
 ]
@@ -260,6 +271,8 @@ ACCEPTED = [
     _body(n=3, stream=True),
     _body(n=3, stream=True, stop=["a", "e"]),
     _body(n=16, max_tokens=4, stream=True, stream_options={"include_usage": True}),
+    _body(n=3, seed=1, temperature=1.0, stream=True, guided_json={"type": "array", "items": {"$ref": "#"}}),
+    _body(guided_regex="a{1,100000}", stop=["aaa"], logprobs=2, echo=True),
     _body(temperature=2.0, top_p=1e-300),
     _body(prompt="\x00\ud7ff\U0010ffff" * 50),
     _body(prompt=[[1, 2], [3]], n=2, stream=True,

@@ -21,6 +21,7 @@ from services.worker.convert import structured_from_proto, structured_to_proto
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 BASE: dict[str, Any] = {"model": "m", "prompt": "x"}
+DEEP = '{"a": ' * 5000 + "1" + "}" * 5000  # valid JSON text, deeper than json.loads recurses
 
 
 def _body(chat: bool = False, **fields: Any) -> CompletionRequest | ChatCompletionRequest:
@@ -168,6 +169,7 @@ UNCOMPILABLE: list[tuple[dict[str, Any], str, str]] = [
     ({"guided_grammar": "start: undefined_rule"}, "guided_grammar", "cannot be compiled"),
     ({"guided_choice": []}, "guided_choice", "must not be empty"),
     ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_json": DEEP}, "guided_json", "nested too deeply"),
     # xgrammar leaves uniqueItems unenforced, llguidance does not implement it: refused
     ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs.json",
      "uniqueItems"),
@@ -220,3 +222,5 @@ def test_the_wire_form_carries_the_routers_backend_and_the_worker_checks_it_agai
         structured_from_proto(bad)
     unchosen = structured_from_proto(pb.StructuredOutputs(regex="[0-"))  # the engine's Processor checks it
     assert unchosen.backend is None
+    with pytest.raises(ValueError, match=r"^structured_outputs: nested too deeply"):
+        structured_from_proto(pb.StructuredOutputs(json_schema=DEEP, backend="guidance"))
