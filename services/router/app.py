@@ -4,7 +4,8 @@
     app = create_app(RouterConfig(model="m", tokenizer="/models/m", max_model_len=4096,
                                   dispatch=DispatchOptions(prefill=(...), decode=(...))))
 
-Each request is validated, each of its prompts tokenized once (chat template included;
+Each request is validated (its structured-output constraint checked and given its grammar
+backend: structured.py), each of its prompts tokenized once (chat template included;
 generation.py) and fanned out into `n` (or `best_of`) samples (fanout.py), each dispatched
 prefill -> decode (dispatch.py); the router detokenizes incrementally and applies stop strings,
 cancelling the decode call on a match; render.py writes the responses. The edge (edge.py) limits

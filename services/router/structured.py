@@ -76,8 +76,8 @@ def _params(body: StructuredFields, form: str) -> StructuredOutputsParams:
         if form == "structured_outputs":
             return _structured_outputs(body)
         return StructuredOutputsParams(**{_GUIDED[form]: getattr(body, form)}, source=form)
-    except ValueError as e:  # StructuredOutputsParams' own checks (the message names the field)
-        raise OpenAIError(400, str(e), str(e).split(":", 1)[0]) from e
+    except ValueError as e:  # StructuredOutputsParams' own checks
+        raise OpenAIError(400, str(e), form) from e
 
 
 def _response_format(body: StructuredFields) -> StructuredOutputsParams:
