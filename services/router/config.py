@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.router.dispatch import DispatchOptions
+from services.router.tools import TOOL_CALL_PARSERS, chat_template_text
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,12 @@ class RouterConfig:
     tokenizer_threads: int = 2
     inline_chars: int = 4096
     disable_docs: bool = False  # no /docs, /redoc, /openapi.json (404); with api_key they need it
+    # Chat templates and tool calling, as vLLM's flags: a Jinja file (or the name of one pdserve
+    # ships, services/router/templates) replacing the tokenizer's chat template; the parser of
+    # the calls a model writes, which tool_choice "auto" needs along with enable_auto_tool_choice.
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -49,3 +56,15 @@ class RouterConfig:
             raise ValueError("api_keys: every key must be non-empty, without spaces around it or ','")
         if self.tokenizer_threads < 1 or self.inline_chars < 0:
             raise ValueError("tokenizer_threads must be >= 1 and inline_chars >= 0")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's flags)")
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)  # a missing file fails at start, not per request
+
+    @property
+    def auto_tools(self) -> bool:
+        """Whether tool_choice "auto" can be served: calls are parsed out of free text."""
+        return self.enable_auto_tool_choice and self.tool_call_parser is not None
