@@ -53,7 +53,7 @@ from services.router.prompt_render import echo_chars
 from services.router.render import Reply, respond
 from services.router.tenants import ApiKeyAuth, request_salt
 from services.router.tokens_api import tokens_router
-from services.router.tools import chat_template_text, tool_plan
+from services.router.tools import chat_template_text, constrain, tool_plan
 from services.router.unsupported import log_ignored
 
 __all__ = ["RouterConfig", "create_app"]
@@ -177,8 +177,7 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template, keep)
         top = (body.top_logprobs or 0) if body.logprobs else None
         fields = body.sampling_kwargs()
-        if tools.constraint is not None:
-            fields["structured_outputs"] = tools.constraint
+        constrain(fields, tools)
         params = gen.params(len(ids), body.token_limit, fields, top)
         reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", (len(ids),), body.n, True,
                       body.include_usage, body.continuous_usage, role=reply_role(body, body.messages),

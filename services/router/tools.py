@@ -3,7 +3,7 @@ and `parallel_tool_calls` ask of its prompt, its sampling and its reply.
 
     plan = tool_plan(body, auto_tools=True)    # a 400 naming the field, before any worker call
     template = replace(template, tools=plan.template_tools)     # the chat template lists them
-    fields["structured_outputs"] = plan.constraint              # "required" / named: a grammar
+    constrain(fields, plan)                    # "required" / named: a grammar in SamplingParams
     calls = ChoiceCalls(plan)                  # one per choice, when plan.parses
     chunk_deltas = calls.deltas(delta.text, finished)           # streamed: OpenAI delta bodies
     content, tool_calls = calls.message(text)  # non-streamed
@@ -99,12 +99,27 @@ def tool_plan(body: ChatCompletionRequest, auto_tools: bool, backend: str = "aut
         return ToolPlan("auto" if tools and choice == "auto" else "none", None, template_tools,
                         None, parallel)
     schema = _named_schema(tools, named) if named else _required_schema(tools, parallel)
+    # No free whitespace between JSON tokens (the separators json.dumps writes): arguments are read
+    # by programs, and a weak model given free whitespace can spend every token on newlines.
+    spec = StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True, source="tool_choice")
     try:
-        constraint = choose_backend(StructuredOutputsParams(json=json.dumps(schema), source="tool_choice"),
-                                    backend)
+        constraint = choose_backend(spec, backend)
     except ValueError as e:
         raise OpenAIError(400, str(e), "tool_choice") from e
     return ToolPlan("named" if named else "required", named, template_tools, constraint, parallel)
+
+
+def constrain(fields: dict[str, Any], plan: ToolPlan) -> None:
+    """Puts the plan's grammar into a sample's SamplingParams fields. A sample follows one
+    grammar: one there already (response_format, structured_outputs) is a 400."""
+    if plan.constraint is None:
+        return
+    other = fields.get("structured_outputs")
+    if other is not None:
+        what = "a named function" if plan.choice == "named" else f'"{plan.choice}"'
+        raise OpenAIError(400, f"tool_choice: {what} constrains the output, and so does {other.source}: "
+                               f"send one of them", "tool_choice")
+    fields["structured_outputs"] = plan.constraint
 
 
 def as_template_tools(tools: list[Tool] | None) -> tuple[dict[str, Any], ...]:

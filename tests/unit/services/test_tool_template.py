@@ -86,7 +86,8 @@ def test_calls_and_results_render_in_the_hermes_forms(tokenizers: tuple[Any, Any
     messages = [
         {"role": "user", "content": "Weather and time in Paris?"},
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
             {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": ""}}]},
         {"role": "tool", "tool_call_id": "c1", "content": '{"sky": "sunny"}'},
         {"role": "tool", "tool_call_id": "c2", "name": "get_time", "content": "14:00"},

@@ -12,10 +12,11 @@ from typing import Any
 import jsonschema
 import pytest
 
+from engine.structured.params import StructuredOutputsParams
 from services.router.config import RouterConfig
 from services.router.errors import OpenAIError
 from services.router.openai_models import ChatCompletionRequest
-from services.router.tools import ToolPlan, tool_plan
+from services.router.tools import ToolPlan, constrain, tool_plan
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                              "unit": {"enum": ["c", "f"]}}, "required": ["city"]}
@@ -115,6 +116,20 @@ def test_bad_tools_are_400s_naming_the_field(body: dict[str, Any], param: str, w
     with pytest.raises(OpenAIError) as e:
         _plan(**body)
     assert (e.value.status, e.value.param) == (400, param) and words in e.value.message
+
+
+def test_one_grammar_per_sample_required_beside_response_format_is_a_400() -> None:
+    fields: dict[str, Any] = {"structured_outputs": None}
+    plan = _plan(tools=TOOLS, tool_choice="required")
+    constrain(fields, plan)
+    assert fields["structured_outputs"] is plan.constraint
+    other = StructuredOutputsParams(json_object=True, source="response_format")
+    with pytest.raises(OpenAIError) as e:
+        constrain({"structured_outputs": other}, plan)
+    assert e.value.param == "tool_choice" and "response_format" in e.value.message
+    untouched = {"structured_outputs": other}
+    constrain(untouched, _plan(tools=TOOLS, tool_choice="none"))  # no grammar of its own: fine
+    assert untouched["structured_outputs"] is other
 
 
 def test_auto_needs_the_routers_auto_tool_choice_as_in_vllm() -> None:
