@@ -137,7 +137,7 @@ async def test_tokenize_gives_the_tokens_generation_prefills_and_detokenize_inve
                 ("/tokenize", {"messages": []}, 400, "messages"),
                 ("/tokenize", ["not", "an", "object"], 400, None),
                 ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
-                ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+                ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
                 ("/detokenize", {"tokens": "12"}, 400, "tokens")]:
             reply = await http.post(path, json=body)
             assert reply.status_code == status, (path, body, reply.text)
