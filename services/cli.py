@@ -264,6 +264,15 @@ def _add_router(subparsers: Any) -> None:
                    help="client certificate for workers' mutual TLS (default: $PDSERVE_WORKER_TLS_CERT)")
     w.add_argument("--worker-tls-key", default=os.environ.get("PDSERVE_WORKER_TLS_KEY"), metavar="PATH",
                    help="the --worker-tls-cert's key (default: $PDSERVE_WORKER_TLS_KEY)")
+    t = p.add_argument_group("chat template and tool calling (vLLM's flags)")
+    t.add_argument("--chat-template", default=None, metavar="PATH|NAME",
+                   help="a Jinja chat template replacing the tokenizer's: a file, or one pdserve ships "
+                        "(hermes_tools: ChatML with Hermes tool calls, for the default model); '' = the "
+                        "tokenizer's own")
+    t.add_argument("--tool-call-parser", default=None, choices=["hermes"],
+                   help="how the tool calls a model writes are found (<tool_call>{...}</tool_call>)")
+    t.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default with tools); needs --tool-call-parser')
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run_router)
 
@@ -284,14 +293,21 @@ def _run_router(args: argparse.Namespace) -> int:
                                stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations,
                                worker_access=WorkerAccess(read_secret(TOKEN_ENV), TLSFiles(
                                    args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca)))
-    config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
-                          max_model_len=args.max_model_len, dispatch=dispatch,
-                          api_keys=load_api_keys(args.api_key, args.api_key_file),
-                          tenant_cache_salt=args.tenant_cache_salt, admin_keys=load_admin_keys(),
-                          max_waiting=args.max_waiting, max_inflight=args.max_inflight,
-                          max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
-                          body_timeout_s=args.body_timeout_s, disable_docs=args.disable_docs,
-                          structured_outputs_backend=args.structured_outputs_backend)
+    try:
+        config = RouterConfig(model=args.model, tokenizer=args.tokenizer or args.model,
+                              max_model_len=args.max_model_len, dispatch=dispatch,
+                              api_keys=load_api_keys(args.api_key, args.api_key_file),
+                              tenant_cache_salt=args.tenant_cache_salt, admin_keys=load_admin_keys(),
+                              max_waiting=args.max_waiting, max_inflight=args.max_inflight,
+                              max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout_s,
+                              body_timeout_s=args.body_timeout_s, disable_docs=args.disable_docs,
+                              chat_template=args.chat_template or None,
+                              tool_call_parser=args.tool_call_parser,
+                              enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              structured_outputs_backend=args.structured_outputs_backend)
+    except ValueError as e:  # a flag the config refuses: the message names it
+        print(f"pdserve router: {e}", file=sys.stderr)
+        return 2
     try:
         if args.fd is None:
             bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads

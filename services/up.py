@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import DEFAULT_MODEL
+from engine.model.default_model import is_default_model
 from services.procs import PortInUseError, check_ports_free, cli, listen
 from services.readiness import (
     router_alive,
@@ -93,6 +94,10 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--stall-timeout-s", type=float, default=None,
                    help="router: a decode stream silent this long moves to another worker "
                         "(default: the router's)")
+    p.add_argument("--chat-template", default=None, metavar="PATH|NAME",
+                   help="router: the chat template (default: hermes_tools, shipped with pdserve, for the "
+                        "default model; the tokenizer's own for any other; '' = the tokenizer's own); "
+                        "tool calls are parsed with the hermes parser, tool_choice \"auto\" enabled")
     p.add_argument("--restart-budget", type=int, default=5,
                    help="restarts of one component allowed within --restart-window-s")
     p.add_argument("--restart-window-s", type=float, default=300.0)
@@ -214,6 +219,7 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
         router += ["--api-key-file", args.api_key_file]
     if args.tenant_cache_salt:
         router += ["--tenant-cache-salt"]
+    router += _tool_args(args)
     # Keys go by environment, not argv (ps shows argv); the router holds no store credential.
     if args.api_key and args.api_key != os.environ.get("PDSERVE_API_KEY"):
         print("pdserve up: warning: --api-key on the command line is visible to other users of this "
@@ -226,6 +232,16 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
                             env=env, cpus=_frozen(parse_cpus(args.router_cpus)), critical=True,
                             alive=router_alive(url), pass_fds=(router_fd,))
     return specs, router_spec
+
+
+def _tool_args(args: argparse.Namespace) -> list[str]:
+    """Tools work out of the box: the default model's own template has none, so it gets pdserve's
+    (which renders plain chats exactly as the model's does); calls are found by the hermes parser."""
+    template = args.chat_template
+    if template is None and is_default_model(args.model):
+        template = "hermes_tools"
+    out = ["--chat-template", template] if template else []
+    return [*out, "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 
 
 def _worker_spec(args: argparse.Namespace, name: str, role: str, port: int, extra: list[str],

@@ -14,10 +14,12 @@ body sizes and read times; serve it with `services.router.edge.serve`.
 
 from __future__ import annotations
 
+import copy
 import gc
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import pydantic
@@ -34,7 +36,7 @@ from services.router.chat_options import echo_text, reply_role, template_options
 from services.router.config import RouterConfig
 from services.router.dispatch import Dispatcher
 from services.router.edge import BodyLimit
-from services.router.errors import OpenAIError
+from services.router.errors import OpenAIError, field_path
 from services.router.fanout import RunOptions
 from services.router.generation import Generator
 from services.router.hot_path import HotPath
@@ -53,6 +55,7 @@ from services.router.render import Reply, respond
 from services.router.structured import requested
 from services.router.tenants import ApiKeyAuth, request_salt
 from services.router.tokens_api import tokens_router
+from services.router.tools import chat_template_text, constrain, tool_plan
 from services.router.unsupported import log_ignored
 
 __all__ = ["RouterConfig", "create_app"]
@@ -66,6 +69,9 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         from engine.model.loader import load_tokenizer, resolve_model_path
 
         tokenizer = load_tokenizer(resolve_model_path(config.tokenizer))
+    if config.chat_template is not None:  # vLLM's --chat-template: every chat renders with it
+        tokenizer = copy.copy(tokenizer)  # a caller's tokenizer keeps its own
+        tokenizer.chat_template = chat_template_text(config.chat_template)
     state: dict[str, Generator] = {}
     me = instance_id()
 
@@ -168,15 +174,18 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         _check_model(config, body.model)
         log_ignored("chat.completions", body.model_extra)
         gen = state["gen"]
-        template = template_options(body, body.messages, gen.tokenizer)
+        tools = tool_plan(body, config.auto_tools)
+        template = replace(template_options(body, body.messages, gen.tokenizer), tools=tools.template_tools)
         keep = gen.truncation(body.truncate_prompt_tokens, body.token_limit)
         ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template, keep)
         top = (body.top_logprobs or 0) if body.logprobs else None
         fields = {**body.sampling_kwargs(), "structured_outputs": await gen.constrain(requested(body))}
+        constrain(fields, tools)  # tool_choice required / named: its grammar, or a 400 beside another
         params = gen.params(len(ids), body.token_limit, fields, top)
         reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", (len(ids),), body.n, True,
                       body.include_usage, body.continuous_usage, role=reply_role(body, body.messages),
-                      echo=echo_text(body, body.messages, body.echo), prompt_logprobs=body.prompt_logprobs)
+                      echo=echo_text(body, body.messages, body.echo), prompt_logprobs=body.prompt_logprobs,
+                      tools=tools if tools.parses else None)
         return await _run(reply, [ids], _options(body, params), body.stream)
 
     # Added before the API key check, so that check (outside it) still sees every request; the
@@ -274,8 +283,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             detail = first.get("ctx", {}).get("error", "")
             return OpenAIError(400, f"malformed JSON body: {detail}").response()
-        loc = [str(p) for p in first.get("loc", ())[1:] if not _is_union_tag(p)]
-        param = ".".join(loc) or None
+        param = field_path(p for p in first.get("loc", ())[1:] if not _is_union_tag(p)) or None
         msg = first.get("msg", "invalid value")
         message = f"{param}: {msg}" if param else msg
         return OpenAIError(400, message, param).response()

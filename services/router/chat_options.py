@@ -33,12 +33,14 @@ class TemplateOptions:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     variables: Mapping[str, Any] = field(default_factory=dict)
+    tools: tuple[dict[str, Any], ...] = ()  # the request's tools (the template's `tools`), as sent
 
     def as_kwargs(self) -> dict[str, Any]:
         """Processor.apply_chat_template's keyword arguments."""
+        tools = {"tools": list(self.tools)} if self.tools else {}
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message,
-                "template_kwargs": dict(self.variables)}
+                "template_kwargs": {**self.variables, **tools}}
 
 
 def template_options(fields: ChatTemplateFields, messages: list[ChatMessage], tokenizer: Any

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from services.router.dispatch import DispatchOptions
+from services.router.tools import TOOL_CALL_PARSERS, chat_template_text
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class RouterConfig:
     # Which grammar backend compiles a request's structured-output constraint, unless the request
     # names one (guided_decoding_backend): "auto" is xgrammar, else llguidance (as vLLM's).
     structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = "auto"
+    # Chat templates and tool calling, as vLLM's flags: a Jinja file (or the name of one pdserve
+    # ships, services/router/templates) replacing the tokenizer's chat template; the parser of
+    # the calls a model writes, which tool_choice "auto" needs along with enable_auto_tool_choice.
+    chat_template: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len < 2:
@@ -56,3 +63,15 @@ class RouterConfig:
         if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
             raise ValueError(f"structured_outputs_backend: must be auto, xgrammar or guidance, got "
                              f"{self.structured_outputs_backend!r}")
+        if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's flags)")
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)  # a missing file fails at start, not per request
+
+    @property
+    def auto_tools(self) -> bool:
+        """Whether tool_choice "auto" can be served: calls are parsed out of free text."""
+        return self.enable_auto_tool_choice and self.tool_call_parser is not None

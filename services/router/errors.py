@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from fastapi.responses import JSONResponse
 
 from services.router.dispatch import NoWorkerError
@@ -23,6 +25,11 @@ class OpenAIError(Exception):
         type_ = {401: "authentication_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error")
         return error_body(self.message, type_, self.param, self.code)
+
+
+def field_path(loc: Iterable[str | int]) -> str:
+    """A field's name as OpenAI writes it in an error's `param`: `messages[2].tool_call_id`."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
 
 
 def from_dispatch(error: WorkerError | NoWorkerError, retry_after_s: int) -> OpenAIError:

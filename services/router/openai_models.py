@@ -7,6 +7,7 @@ the OpenAI / vLLM APIs that are not implemented yet are refused with a 400 namin
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -51,6 +52,7 @@ Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_json_i
 TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_json_integer)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_json_integer)]
 MAX_LIST_FIELD = 1024  # logit_bias entries, allowed_token_ids
+MAX_TOOLS = 128  # OpenAI's limit on a request's tools (and on one message's calls)
 
 
 class StreamOptions(BaseModel):
@@ -268,15 +270,100 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(BaseModel):
+    """A call an assistant made, as a conversation's history holds it."""
+
+    name: StrictStr
+    arguments: StrictStr  # JSON text; "" is no arguments
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_text(cls, v: str) -> str:
+        try:
+            json.loads(v or "{}")
+        except ValueError as e:
+            raise ValueError(f"must be JSON text (the call's arguments): {e}") from None
+        return v
+
+
+class ToolCall(BaseModel):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None  # the author's name; a tool message's function
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # the assistant's
+    # The call a tool message answers: required for role "tool" (validate_default: checked when absent).
+    tool_call_id: StrictStr | None = Field(default=None, validate_default=True)
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _assistant_calls(cls, v: list[ToolCall] | None, info: ValidationInfo) -> list[ToolCall] | None:
+        if v and info.data.get("role") != "assistant":
+            raise ValueError(f"only assistant messages make tool calls, not a {info.data.get('role')!r} one")
+        return v
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _answers_a_call(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is None and info.data.get("role") == "tool":
+            raise ValueError("a tool message must say which call it answers")
+        return v
 
     def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (vLLM's and transformers' form): calls'
+        arguments as JSON values, not text."""
         content = self.content
         if isinstance(content, list):
             content = "".join(p.text for p in content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": content or ""}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                               "content": content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    # OpenAI's: 1-64 letters, digits, underscores and dashes.
+    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: StrictStr | None = None
+    # A JSON schema of the arguments (checked against its metaschema in tools.py); none: no arguments.
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None  # enforced only by tool_choice "required" or named (grammar)
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+def _tool_choice(v: object) -> object:
+    if isinstance(v, str) and v not in ("none", "auto", "required"):
+        raise ValueError(f'must be "none", "auto", "required" or {{"type": "function", "function": '
+                         f'{{"name": ...}}}}, got {v!r:.40}')
+    return v
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(_tool_choice)]
 
 
 class ChatTemplateFields(BaseModel):
@@ -292,7 +379,11 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields, _ChatRefused):
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
-    parallel_tool_calls: StrictBool | None = None  # only means something with tools (refused for now)
+    # Functions the model may call (services/router/tools.py): tool_choice "auto" (the default
+    # with tools) lets it choose, "required" makes it call one or more, a named one that one.
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call
     echo: StrictBool = False  # vLLM's: the reply starts with the last message when it has the reply's role
 
     @property

@@ -28,6 +28,7 @@ from services.router.generation import Admission, Delta, Generator
 from services.router.hot_path import SSEResponse
 from services.router.openai_models import completion_body, error_body, usage_body
 from services.router.prompt_render import echo_logprobs, prompt_logprobs_body, top_candidates
+from services.router.tools import ChoiceCalls, ToolPlan
 from services.worker.client import WorkerError
 
 
@@ -51,6 +52,7 @@ class Reply:
     prompts: tuple[list[int], ...] = ()  # each prompt's ids (for echo with logprobs)
     logprobs: int | None = None  # completions' logprobs (top-N), None when not asked
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top-N), None when not asked
+    tools: ToolPlan | None = None  # a chat's tool calls are parsed out of its text (tools.py)
 
     @property
     def num_choices(self) -> int:
@@ -100,6 +102,7 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
                          ) -> AsyncIterator[str]:
     finals: dict[int, Delta] = {}
     started: set[int] = set()
+    calls: dict[int, ChoiceCalls] = {}  # each chat choice's tool-call parser
     try:
         async with aclosing(deltas):
             delta: Delta | None = first
@@ -114,12 +117,17 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
                     first_events = _chat_start(reply, delta.index)
                 if delta.finish_reason:
                     finals[delta.index] = delta
-                choice = _choice(reply, delta, stream=True, first=opening)
+                if reply.tools is not None:
+                    mine = calls.setdefault(delta.index, ChoiceCalls(reply.tools))
+                    choices = _tool_choices(reply, delta, mine, opening)
+                else:
+                    choices = [_choice(reply, delta, stream=True, first=opening)]
                 usage = _so_far(reply, delta.index, delta.completion_tokens, delta.cached_tokens)
-                body = reply.body([choice], usage, chunk=True)
-                if reply.chat and opening and delta.index == 0:
-                    _chat_prompt_logprobs(reply, body, delta)
-                yield first_events + _sse(body)
+                bodies = [reply.body([choice], usage, chunk=True) for choice in choices]
+                if bodies and reply.chat and opening and delta.index == 0:
+                    _chat_prompt_logprobs(reply, bodies[0], delta)
+                if first_events or bodies:
+                    yield first_events + "".join(_sse(body) for body in bodies)
                 delta = await anext(deltas, None)
     except (WorkerError, NoWorkerError) as e:
         error = from_dispatch(e, reply.gen.config.retry_after_s)
@@ -202,9 +210,35 @@ def _choice(reply: Reply, delta: Delta, stream: bool, first: bool) -> dict[str, 
             choice["prompt_logprobs"] = (prompt_logprobs_body(reply.gen.tokenizer, delta.prompt_logprobs,
                                                               reply.prompt_logprobs) if first else None)
         return choice
-    key, content = ("delta", {"content": delta.text}) if stream else (
-        "message", {"role": reply.role, "content": reply.echo + delta.text})
-    return {"index": delta.index, key: content, "logprobs": logprobs, "finish_reason": delta.finish_reason}
+    if stream:
+        return {"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
+                "finish_reason": delta.finish_reason}
+    if reply.tools is None:
+        return {"index": delta.index, "message": {"role": reply.role, "content": reply.echo + delta.text},
+                "logprobs": logprobs, "finish_reason": delta.finish_reason}
+    calls = ChoiceCalls(reply.tools)
+    content, tool_calls = calls.message(delta.text)
+    text = reply.echo + (content or "")
+    message: dict[str, Any] = {"role": reply.role, "content": text if text or content is not None else None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": delta.index, "message": message, "logprobs": logprobs,
+            "finish_reason": reply.tools.finish_reason(delta.finish_reason, calls.called)}
+
+
+def _tool_choices(reply: Reply, delta: Delta, calls: ChoiceCalls, opening: bool) -> list[dict[str, Any]]:
+    """A streamed chat delta through its choice's tool-call parser: one chunk's choice per delta
+    body (a call's header and its arguments go in chunks of their own), the logprobs on the first,
+    the finish_reason on the last; none while the parser holds the text back, unless the delta
+    carries logprobs, ends the choice or opens it (its prompt logprobs)."""
+    assert reply.tools is not None
+    bodies = calls.deltas(delta.text, bool(delta.finish_reason))
+    if not bodies and (delta.finish_reason or delta.logprobs or opening):
+        bodies = [{}]
+    logprobs = _logprobs(reply, delta) if delta.logprobs else None
+    finish = reply.tools.finish_reason(delta.finish_reason, calls.called)
+    return [{"index": delta.index, "delta": body, "logprobs": logprobs if k == 0 else None,
+             "finish_reason": finish if k == len(bodies) - 1 else None} for k, body in enumerate(bodies)]
 
 
 def _joined(echo: dict[str, Any], generated: dict[str, Any] | None) -> dict[str, Any]:

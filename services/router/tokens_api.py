@@ -2,7 +2,7 @@
 
     POST /tokenize     {"prompt": text, "add_special_tokens": true}
                        or {"messages": [...], "add_generation_prompt": true, "add_special_tokens": false,
-                           "continue_final_message": false, "chat_template_kwargs": {...}}
+                           "continue_final_message": false, "chat_template_kwargs": {...}, "tools": [...]}
                        -> {"count", "max_model_len", "tokens", "token_strs"}
     POST /detokenize   {"tokens": [ids]} -> {"prompt": text}
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
@@ -22,9 +23,17 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, 
 
 from services.router.chat_options import template_options
 from services.router.config import RouterConfig
-from services.router.errors import OpenAIError
+from services.router.errors import OpenAIError, field_path
 from services.router.generation import Generator
-from services.router.openai_models import OPENAI_RESPONSES, ChatMessage, ChatTemplateFields, _json_integer
+from services.router.openai_models import (
+    MAX_TOOLS,
+    OPENAI_RESPONSES,
+    ChatMessage,
+    ChatTemplateFields,
+    Tool,
+    _json_integer,
+)
+from services.router.tools import as_template_tools
 
 
 class _Tokenize(BaseModel):
@@ -41,6 +50,7 @@ class TokenizeText(_Tokenize):
 
 class TokenizeChat(_Tokenize, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None  # the template lists them
     add_special_tokens: StrictBool = False  # the chat template writes them, as for a chat request
 
 
@@ -66,7 +76,7 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        param = ".".join(str(p) for p in first["loc"]) or None
+        param = field_path(first["loc"]) or None
         raise OpenAIError(400, f"{param}: {first['msg']}" if param else first["msg"], param) from None
 
 
@@ -101,7 +111,8 @@ def tokens_router(config: RouterConfig, gen: Callable[[], Generator]) -> APIRout
         check_model(req.model)
         g = gen()
         if isinstance(req, TokenizeChat):
-            template = template_options(req, req.messages, g.tokenizer)
+            template = replace(template_options(req, req.messages, g.tokenizer),
+                               tools=as_template_tools(req.tools))
             ids = await g.encode([m.as_template_dict() for m in req.messages], "messages",
                                  req.add_special_tokens, template)
         else:

@@ -2,7 +2,7 @@
 
 A request that uses one gets a 400 in OpenAI's error format whose `param` names the field, never
 a 200 that silently ignores it (a client banning a token with `logit_bias` must not get it back
-unbanned). A field sent with its no-op value (`"best_of": 1`, `"tool_choice": "none"`, ...)
+unbanned). A field sent with its no-op value (`"best_of": 1`, `"function_call": "none"`, ...)
 asks for nothing the server does not do and is accepted. Fields outside both APIs' request
 schemas are ignored, as vLLM does, with a debug log line (`log_ignored`).
 
@@ -44,7 +44,7 @@ def _one(v: Any) -> bool:
 
 
 def _no_tool_choice(v: Any) -> bool:
-    return v is None or v in ("none", "auto")  # "auto" with no tools chooses none
+    return v is None or v in ("none", "auto")  # "auto" with no functions chooses none
 
 
 def _text_modality(v: Any) -> bool:
@@ -69,10 +69,9 @@ COMPLETION: dict[str, tuple[NoOp, str]] = {
 CHAT: dict[str, tuple[NoOp, str]] = {
     **_SAMPLING,
     "best_of": (_one, "samples best_of and returns the n best"),  # vLLM's chat has no best_of either
-    "tools": (_empty, "offers tools (tool calling)"),
-    "tool_choice": (_no_tool_choice, "asks for a tool call"),
-    "functions": (_empty, "offers functions (function calling)"),
-    "function_call": (_no_tool_choice, "asks for a function call"),
+    # OpenAI's deprecated forms of tools / tool_choice: send those instead.
+    "functions": (_empty, "offers functions (deprecated function calling: use tools)"),
+    "function_call": (_no_tool_choice, "asks for a function call (deprecated: use tool_choice)"),
     "chat_template": (_absent, "replaces the model's chat template"),
     "documents": (_empty, "passes documents to the chat template"),
     "mm_processor_kwargs": (_empty, "passes arguments to a multimodal processor"),

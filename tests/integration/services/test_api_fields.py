@@ -29,8 +29,7 @@ USED: dict[str, Any] = {
     "return_tokens_as_token_ids": True, "kv_transfer_params": {"do_remote_prefill": True},
     "vllm_xargs": {"k": 1},
     "suffix": " and that is all.", "best_of": 3,
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required", "functions": [{"name": "f", "parameters": {"type": "object"}}],
+    "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": {"name": "f"},
     "chat_template": "{{ messages }}",
     "documents": [{"title": "t", "text": "x"}], "mm_processor_kwargs": {"k": 1},
@@ -135,7 +134,7 @@ async def test_tokenize_gives_the_tokens_generation_prefills_and_detokenize_inve
                 ("/tokenize", {"messages": []}, 400, "messages"),
                 ("/tokenize", ["not", "an", "object"], 400, None),
                 ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
-                ("/detokenize", {"tokens": [-1]}, 400, "tokens.0"),
+                ("/detokenize", {"tokens": [-1]}, 400, "tokens[0]"),
                 ("/detokenize", {"tokens": "12"}, 400, "tokens")]:
             reply = await http.post(path, json=body)
             assert reply.status_code == status, (path, body, reply.text)

@@ -6,6 +6,7 @@ other model kinds' endpoints are 400s."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +97,7 @@ async def test_bad_values_are_400s_naming_the_field(client: openai.AsyncOpenAI, 
                                                     value: Any) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         await _complete(client, False, {field: value})
-    assert e.value.param is not None and e.value.param.split(".")[0] == field, e.value.message
+    assert e.value.param is not None and re.split(r"[.\[]", e.value.param)[0] == field, e.value.message
 
 
 @in_module_loop

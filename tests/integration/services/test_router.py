@@ -151,7 +151,7 @@ BAD = [
     ("/completions", b'{"model": "tiny", "prompt": "hi", "n": 0}', 400, "n"),
     ("/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": 100000}', 400, "max_tokens"),
     ("/chat/completions", b'{"model": "tiny", "messages": [{"role": "nobody", "content": "x"}]}', 400,
-     "messages.0.role"),
+     "messages[0].role"),
     ("/completions", b'{"model": "other", "prompt": "hi"}', 404, "model"),
     ("/completions", b'{"model": "tiny", "prompt": "hi", "presence_penalty": 3}', 400, "presence_penalty"),
     ("/completions", b'{"model": "tiny", "prompt": "hi", "top_k": -5}', 400, "top_k"),

@@ -81,6 +81,14 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
         spec["components"]["schemas"][name]["properties"]["truncate_prompt_tokens"] = {"anyOf": [
             {"type": "integer", "minimum": 1, "maximum": 64}, {"enum": [-1]}, {"type": "null"}]}
     chat["properties"]["continue_final_message"] = {"enum": [False]}
+    # Tools: parameters must be a JSON schema, "auto" needs router flags this router lacks, a tool
+    # message names the call it answers, a call's arguments are JSON text (tests: test_tool_calling.py).
+    chat["properties"]["tools"] = {"type": "null"}
+    chat["properties"]["tool_choice"] = {"anyOf": [{"enum": ["none"]}, {"type": "null"}]}
+    message = spec["components"]["schemas"]["ChatMessage"]
+    message["properties"]["tool_calls"] = {"type": "null"}
+    message["properties"]["tool_call_id"] = {"type": "string"}
+    message["required"] = [*message.get("required", []), "tool_call_id"]
     chat["properties"]["chat_template_kwargs"] = {"anyOf": [{"type": "null"}, {
         "type": "object", "properties": {"enable_thinking": {"type": "boolean"}, "x": {}},
         "additionalProperties": False}]}
@@ -229,7 +237,7 @@ EDGES = [
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user"}] * 20_000,
                                          "max_tokens": 2}), "messages"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "x"}}]}], "max_tokens": 2}), "messages.0.content"),
+        {"type": "image_url", "image_url": {"url": "x"}}]}], "max_tokens": 2}), "messages[0].content"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                          "top_logprobs": 10**20}), "top_logprobs"),
     ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": "hi"}), "messages"),
@@ -285,8 +293,9 @@ ACCEPTED = [
                 "add_generation_prompt": False, "continue_final_message": True, "echo": True, "stream": True,
                 "truncate_prompt_tokens": 3, "chat_template_kwargs": {"x": [1, {"y": None}]},
                 "max_completion_tokens": 2}),
-    json.dumps({"model": MODEL, "messages": [{"role": r, "content": None} for r in ("system", "developer",
-                "tool", "assistant")], "max_completion_tokens": 2, "logprobs": True, "top_logprobs": 0}),
+    json.dumps({"model": MODEL, "messages": [{"role": r, "content": None, "tool_call_id": "c"} for r in (
+                "system", "developer", "tool", "assistant")], "max_completion_tokens": 2, "logprobs": True,
+                "top_logprobs": 0}),
 ]
 
 
