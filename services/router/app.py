@@ -174,7 +174,8 @@ def create_app(config: RouterConfig, tokenizer: Any = None) -> FastAPI:
         _check_model(config, body.model)
         log_ignored("chat.completions", body.model_extra)
         gen = state["gen"]
-        tools = tool_plan(body, config.auto_tools)
+        tools = tool_plan(body, config.auto_tools,
+                          lambda spec: gen.backends.choose(spec, config.structured_outputs_backend))
         template = replace(template_options(body, body.messages, gen.tokenizer), tools=tools.template_tools)
         keep = gen.truncation(body.truncate_prompt_tokens, body.token_limit)
         ids = await gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template, keep)

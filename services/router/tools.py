@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from services.router.tool_parser import (
 )
 
 TOOL_CALL_PARSERS = ("hermes",)
+Choose = Callable[[StructuredOutputsParams], StructuredOutputsParams]
 TEMPLATES = Path(__file__).parent / "templates"  # the chat templates pdserve ships, by name
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
@@ -84,11 +86,14 @@ class ToolPlan:
             else engine_reason
 
 
-def tool_plan(body: ChatCompletionRequest, auto_tools: bool, backend: str = "auto") -> ToolPlan:
+def tool_plan(body: ChatCompletionRequest, auto_tools: bool, choose: Choose | None = None) -> ToolPlan:
     """The request's ToolPlan, or a 400 naming the field; `auto_tools`: the router parses calls
-    out of free text (--enable-auto-tool-choice with a --tool-call-parser)."""
+    out of free text (--enable-auto-tool-choice with a --tool-call-parser); `choose` gives a
+    spec its backend or raises a 400 naming the spec's source (the router's BackendChoices,
+    with its --structured-outputs-backend; by default, choose_backend's "auto")."""
+    choose = choose or _choose_auto
     tools = body.tools or []
-    _check_tools(tools)
+    _check_tools(tools, choose)
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if tools else "none")
     named = choice.function.name if isinstance(choice, NamedToolChoice) else None
     if choice == "required" or named is not None or (choice == "auto" and tools):
@@ -102,11 +107,7 @@ def tool_plan(body: ChatCompletionRequest, auto_tools: bool, backend: str = "aut
     # No free whitespace between JSON tokens (the separators json.dumps writes): arguments are read
     # by programs, and a weak model given free whitespace can spend every token on newlines.
     spec = StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True, source="tool_choice")
-    try:
-        constraint = choose_backend(spec, backend)
-    except ValueError as e:
-        raise OpenAIError(400, str(e), "tool_choice") from e
-    return ToolPlan("named" if named else "required", named, template_tools, constraint, parallel)
+    return ToolPlan("named" if named else "required", named, template_tools, choose(spec), parallel)
 
 
 def constrain(fields: dict[str, Any], plan: ToolPlan) -> None:
@@ -127,7 +128,14 @@ def as_template_tools(tools: list[Tool] | None) -> tuple[dict[str, Any], ...]:
     return tuple(t.model_dump(exclude_none=True) for t in tools or ())
 
 
-def _check_tools(tools: list[Tool]) -> None:
+def _choose_auto(params: StructuredOutputsParams) -> StructuredOutputsParams:
+    try:
+        return choose_backend(params)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), params.source) from e
+
+
+def _check_tools(tools: list[Tool], choose: Choose) -> None:
     seen: set[str] = set()
     for i, tool in enumerate(tools):
         fn = tool.function
@@ -135,12 +143,9 @@ def _check_tools(tools: list[Tool]) -> None:
             raise OpenAIError(400, f"tools[{i}].function.name: {fn.name!r} is offered twice",
                               f"tools[{i}].function.name")
         seen.add(fn.name)
-        if fn.parameters is not None:
-            source = f"tools[{i}].function.parameters"
-            try:  # the schema against its metaschema, and that a grammar can be built from it
-                choose_backend(StructuredOutputsParams(json=json.dumps(fn.parameters), source=source))
-            except ValueError as e:
-                raise OpenAIError(400, str(e), source) from e
+        if fn.parameters is not None:  # the schema against its metaschema, and that it compiles
+            choose(StructuredOutputsParams(json=json.dumps(fn.parameters),
+                                           source=f"tools[{i}].function.parameters"))
 
 
 def _check_choice(choice: object, named: str | None, tools: list[Tool], auto_tools: bool) -> None:
