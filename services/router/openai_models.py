@@ -29,6 +29,7 @@ from pydantic import (
 
 from services.router import unsupported
 from services.router.structured_fields import StructuredFields
+from services.router.tool_fields import MAX_TOOLS, ToolCall, ToolFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -52,7 +53,6 @@ Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_json_i
 TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_json_integer)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_json_integer)]
 MAX_LIST_FIELD = 1024  # logit_bias entries, allowed_token_ids
-MAX_TOOLS = 128  # OpenAI's limit on a request's tools (and on one message's calls)
 
 
 class StreamOptions(BaseModel):
@@ -270,28 +270,6 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
-class FunctionCall(BaseModel):
-    """A call an assistant made, as a conversation's history holds it."""
-
-    name: StrictStr
-    arguments: StrictStr  # JSON text; "" is no arguments
-
-    @field_validator("arguments")
-    @classmethod
-    def _json_text(cls, v: str) -> str:
-        try:
-            json.loads(v or "{}")
-        except ValueError as e:
-            raise ValueError(f"must be JSON text (the call's arguments): {e}") from None
-        return v
-
-
-class ToolCall(BaseModel):
-    id: StrictStr
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[TextPart] | None = None
@@ -333,39 +311,6 @@ class ChatMessage(BaseModel):
         return out
 
 
-class FunctionDefinition(BaseModel):
-    # OpenAI's: 1-64 letters, digits, underscores and dashes.
-    name: Annotated[StrictStr, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-    description: StrictStr | None = None
-    # A JSON schema of the arguments (checked against its metaschema in tools.py); none: no arguments.
-    parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None  # enforced only by tool_choice "required" or named (grammar)
-
-
-class Tool(BaseModel):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(BaseModel):
-    name: StrictStr
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-def _tool_choice(v: object) -> object:
-    if isinstance(v, str) and v not in ("none", "auto", "required"):
-        raise ValueError(f'must be "none", "auto", "required" or {{"type": "function", "function": '
-                         f'{{"name": ...}}}}, got {v!r:.40}')
-    return v
-
-
-ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(_tool_choice)]
-
-
 class ChatTemplateFields(BaseModel):
     """vLLM's chat template options (checked against each other and the messages in chat_options.py)."""
 
@@ -374,16 +319,11 @@ class ChatTemplateFields(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
 
 
-class ChatCompletionRequest(_SamplingFields, ChatTemplateFields, _ChatRefused):
+class ChatCompletionRequest(_SamplingFields, ChatTemplateFields, ToolFields, _ChatRefused):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: TokenCount | None = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
-    # Functions the model may call (services/router/tools.py): tool_choice "auto" (the default
-    # with tools) lets it choose, "required" makes it call one or more, a named one that one.
-    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
-    tool_choice: ToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None  # false: at most one call
     echo: StrictBool = False  # vLLM's: the reply starts with the last message when it has the reply's role
 
     @property

@@ -25,14 +25,8 @@ from services.router.chat_options import template_options
 from services.router.config import RouterConfig
 from services.router.errors import OpenAIError, field_path
 from services.router.generation import Generator
-from services.router.openai_models import (
-    MAX_TOOLS,
-    OPENAI_RESPONSES,
-    ChatMessage,
-    ChatTemplateFields,
-    Tool,
-    _json_integer,
-)
+from services.router.openai_models import OPENAI_RESPONSES, ChatMessage, ChatTemplateFields, _json_integer
+from services.router.tool_fields import MAX_TOOLS, Tool
 from services.router.tools import as_template_tools
 
 

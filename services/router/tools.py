@@ -27,7 +27,8 @@ from typing import Any
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.select import choose_backend
 from services.router.errors import OpenAIError
-from services.router.openai_models import ChatCompletionRequest, NamedToolChoice, Tool
+from services.router.openai_models import ChatCompletionRequest
+from services.router.tool_fields import NamedToolChoice, Tool
 from services.router.tool_parser import (
     CallStart,
     Content,
