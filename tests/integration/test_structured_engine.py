@@ -155,10 +155,25 @@ def test_a_request_waits_for_its_grammar_while_others_run(llm: LLM,
     slow = core.scheduler.requests["slow"]
     assert slow.status == RequestStatus.WAITING_FOR_FSM and slow.num_computed_tokens == 0
     assert "slow" not in done and core.has_unfinished_requests()
+    stats = core.get_stats()
+    assert (stats.num_waiting, stats.num_running) == (1, 0)  # a router sees it queued
     held.release.set()
     done = step_until_done(core, {"slow"})
     assert done["slow"].finish_reason == "stop" and done["slow"].token_ids[-1] == EOS
     assert valid(spec, text_of(llm, done["slow"].token_ids))
+
+
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    held = HeldCompile(monkeypatch, marker="abortedgrammar")
+    core = llm.engine_core
+    core.add_request(core_request(llm, "gone", prompts(1)[0],
+                                  constrained(SOP(regex="abortedgrammar"))))
+    assert held.entered.wait(60)
+    core.abort_requests(["gone"])
+    assert not core.has_unfinished_requests() and "gone" not in core.scheduler.requests
+    assert core.step().outputs == [] and core.get_stats().num_waiting == 0
+    held.release.set()
 
 
 def test_a_grammar_the_engine_cannot_compile_fails_only_its_request(
@@ -205,6 +220,22 @@ def test_a_grammar_that_ends_stops_the_request_even_under_ignore_eos(llm: LLM) -
     sample = out.outputs[0]
     assert sample.finish_reason == "stop" and sample.text in SPECS["choice"].choice  # type: ignore[operator]
     assert sample.token_ids[-1] == EOS and len(sample.token_ids) < 30
+
+
+def test_a_structural_tag_constrains_the_output(llm: LLM) -> None:
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi there"}}
+    (out,) = llm.generate(prompts(1, seed=41), constrained(SOP(structural_tag=json.dumps(tag))),
+                          use_tqdm=False)
+    assert out.outputs[0].text == "hi there" and out.outputs[0].finish_reason == "stop"
+
+
+def test_min_tokens_past_the_grammars_end_fails_the_request_saying_why(llm: LLM) -> None:
+    """The grammar allows only its stop token, min_tokens forbids it: nothing is left to
+    sample. The request ends with an error that says so (not a wrong output)."""
+    (out,) = llm.generate(prompts(1), constrained(SPECS["choice"], min_tokens=8), use_tqdm=False)
+    sample = out.outputs[0]
+    assert sample.finish_reason == "abort"
+    assert "min_tokens=8 forbids the stop token" in str(sample.stop_reason)
 
 
 def test_both_backends_give_the_same_tokens(llm: LLM) -> None:
