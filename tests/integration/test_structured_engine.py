@@ -299,13 +299,16 @@ def test_every_sampling_parameter_under_a_grammar_gives_valid_output(llm: LLM) -
             assert token in entry and entry[token].logprob > float("-inf")
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
-def test_a_continued_sample_equals_the_colocated_run(llm: LLM, temperature: float) -> None:
+def test_a_continued_sample_equals_the_colocated_run(llm: LLM, temperature: float,
+                                                     backend: str) -> None:
     """As a decode worker continues the prefill worker's first token: the matcher is advanced
-    over it, and the rest equals the run that sampled everything here."""
+    over it, and the rest equals the run that sampled everything here (also where that one
+    token completes the grammar: only the stop token is left)."""
     core = llm.engine_core
-    p = prompts(4, seed=23)
-    specs = list(SPECS.values())
+    specs = [replace(s, backend=backend) for s in [*SPECS.values(), SOP(choice=["red"])]]
+    p = prompts(len(specs), seed=23)
     params = [constrained(s, temperature=temperature, seed=99) for s in specs]
     whole = llm.generate(p, params, use_tqdm=False)
     first = llm.generate(p, [replace(s, max_tokens=1) for s in params], use_tqdm=False)
@@ -332,7 +335,7 @@ def test_earlier_outputs_the_grammar_refuses_fail_the_request(llm: LLM) -> None:
     assert "earlier output tokens do not match the grammar" in str(done["refused"].stop_reason)
 
 
-def test_preempted_constrained_requests_give_the_unpreempted_tokens(
+def test_preempted_and_chunked_constrained_requests_give_the_plain_runs_tokens(
         llm: LLM, tiny_model_dir: Callable[[str], Path]) -> None:
     rng = random.Random(31)
     p = [[rng.randrange(100, 49000) for _ in range(n)] for n in (60, 90, 100, 110, 120, 130)]
@@ -340,7 +343,7 @@ def test_preempted_constrained_requests_give_the_unpreempted_tokens(
     params = [constrained(spec, max_tokens=64, temperature=t, seed=5) for t in (0.0, 1.0)] * 3
     expected = llm.generate(p, params, use_tqdm=False)
     small = LLM(model=str(tiny_model_dir("llama")), num_threads=1, num_kv_blocks=17,
-                max_model_len=256, enable_prefix_caching=False)
+                max_model_len=256, enable_prefix_caching=False, max_num_batched_tokens=32)
     try:
         got = small.generate(p, params, use_tqdm=False)
         assert sum(o.metrics.num_preemptions for o in got) > 0, "no preemption was forced"
