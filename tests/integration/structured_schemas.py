@@ -270,4 +270,4 @@ CASES: list[Case] = (
 _BY_NAME = {c.name: c for c in CASES}
 # a few of each kind with short outputs: $ref, formats, nested objects, anyOf, llguidance's share
 SUBSET: list[Case] = [_BY_NAME[n] for n in (
-    "line", "log_entry", "contact_any_of", "short_email", "phone", "capital")]
+    "line", "event", "contact_any_of", "short_email", "phone", "capital")]
