@@ -97,7 +97,9 @@ class Scheduler(KVLoads, GrammarWaits):
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued requests, those whose grammar compiles included (as vLLM counts them): a
+        router weighing load sees a burst of structured requests before they run."""
+        return len(self.waiting) + len(self.waiting_for_fsm)
 
     @property
     def num_running(self) -> int:

@@ -69,13 +69,14 @@ class GrammarWaits:
         return out
 
     def _advance_grammar(self, request: Request, token_ids: list[int]) -> str | None:
-        """Moves the request's matcher over its new tokens; an error text when one is refused
-        (it cannot be: the bitmask only allows what the grammar accepts), else None."""
+        """Moves the request's matcher over its new tokens; an error text when one is refused,
+        else None. The bitmask only allows what the grammar accepts, so a refused token means
+        the request's own masks, applied after it, left no token to sample."""
         grammar = request.grammar
         if grammar is None or grammar.matcher is None:
             return None
         if not grammar.matcher.accept_tokens(token_ids):
-            return f"structured outputs: the grammar refused sampled token(s) {token_ids}"
+            return _refusal(request, token_ids)
         return None
 
     @staticmethod
@@ -87,3 +88,14 @@ class GrammarWaits:
             return False
         request.status = RequestStatus.FINISHED_STOPPED
         return True
+
+
+def _refusal(request: Request, token_ids: list[int]) -> str:
+    params = request.sampling_params
+    text = f"structured outputs: the grammar refused sampled token(s) {token_ids}: no token was left"
+    if request.num_output_tokens - len(token_ids) < params.min_tokens:
+        return (f"{text} (min_tokens={params.min_tokens} forbids the stop token, which may have "
+                f"been the only one the grammar allowed)")
+    if params.allowed_token_ids is not None:
+        return f"{text} (allowed_token_ids holds none of the tokens the grammar allowed)"
+    return text

@@ -40,16 +40,31 @@ class XgrammarMatcher:
 
 
 class GuidanceMatcher:
-    def __init__(self, matcher: Any) -> None:
+    """llguidance stops a matcher as soon as its grammar cannot go on, before any stop token;
+    this one, as xgrammar's, ends when the stop token (the only one allowed then) is accepted,
+    so a request ends the same way, with the same tokens, whichever backend compiled it."""
+
+    def __init__(self, matcher: Any, stop_token_ids: list[int]) -> None:
         self.inner = matcher  # llguidance.LLMatcher
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.terminated = False
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        if self.inner.is_stopped():
-            return False
-        return bool(self.inner.consume_tokens(token_ids)) and not self.inner.is_error()
+        for token in token_ids:
+            if self.terminated:
+                return False
+            if not self.inner.is_stopped():
+                if not self.inner.consume_token(token) or self.inner.is_error():
+                    return False
+            elif token not in self.stop_token_ids:
+                return False
+            # without stop tokens (a model with no eos), a grammar that cannot go on has ended
+            self.terminated = (token in self.stop_token_ids
+                               or (not self.stop_token_ids and self.inner.is_stopped()))
+        return True
 
     def is_terminated(self) -> bool:
-        return bool(self.inner.is_stopped())
+        return self.terminated
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         from llguidance.torch import fill_next_token_bitmask
@@ -85,6 +100,7 @@ class GuidanceBackend:
 
         self.tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size,
                                         eos_token=stop_token_ids or None)
+        self.stop_token_ids = stop_token_ids
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         from llguidance import LLMatcher
@@ -98,4 +114,4 @@ class GuidanceBackend:
     def matcher(self, compiled: Any) -> GuidanceMatcher:
         from llguidance import LLMatcher
 
-        return GuidanceMatcher(LLMatcher(self.tokenizer, compiled))
+        return GuidanceMatcher(LLMatcher(self.tokenizer, compiled), self.stop_token_ids)

@@ -88,7 +88,8 @@ class StructuredOutputManager:
         self._lock = threading.Lock()
         self._backends: dict[str, Backend] = {}
         self._tokenizer: Any = None
-        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        # spec key -> its compiled grammar (a Future: done, or compiling in a grammar thread)
+        self._cache: OrderedDict[tuple[Any, ...], Future[Any]] = OrderedDict()
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher, made on first use
 
     def start(self, params: StructuredOutputsParams) -> GrammarState:
@@ -106,21 +107,35 @@ class StructuredOutputManager:
         return backend.matcher(self.compiled(params, backend))
 
     def compiled(self, params: StructuredOutputsParams, backend: Backend) -> Any:
+        """The compiled grammar of `params`: cached, being compiled by another grammar thread
+        (requests of one spec that arrive together, as n > 1 samples do, compile it once), or
+        compiled here. A failed compile is not cached: the spec is tried again next time."""
         key = (backend.name, *params.key)
         with self._lock:
-            hit = self._cache.get(key)
-            if hit is not None:
+            entry = self._cache.get(key)
+            compile_here = entry is None
+            if entry is None:
+                entry = self._cache[key] = Future()
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+            else:
                 self._cache.move_to_end(key)
                 self.stats.hits += 1
-                return hit
+        if not compile_here:
+            return entry.result()  # waits while another grammar thread compiles it
         start = time.perf_counter()
-        compiled = backend.compile(params)
+        try:
+            compiled = backend.compile(params)
+        except BaseException as e:
+            with self._lock:
+                if self._cache.get(key) is entry:
+                    del self._cache[key]
+            entry.set_exception(e)
+            raise
         with self._lock:
             self.stats.misses += 1
             self.stats.compile_seconds.append(time.perf_counter() - start)
-            self._cache[key] = compiled
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+        entry.set_result(compiled)
         return compiled
 
     def _backend(self, name: str) -> Backend:

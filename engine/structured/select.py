@@ -14,13 +14,10 @@ from dataclasses import replace
 from typing import Any
 
 from engine.structured.params import StructuredOutputsParams
+from engine.structured.xgrammar_gaps import unenforced
 
 BACKENDS = ("auto", "xgrammar", "guidance")
 
-# JSON Schema keywords xgrammar accepts but does not enforce: such schemas go to llguidance.
-_XGRAMMAR_IGNORES = frozenset({"uniqueItems", "contains", "minContains", "maxContains",
-                               "propertyNames", "patternProperties", "dependentRequired",
-                               "dependentSchemas", "not", "if", "then", "else"})
 _MAX_SPEC_CHARS = 256 * 1024
 
 
@@ -35,13 +32,15 @@ def choose_backend(params: StructuredOutputsParams, preferred: str = "auto") -> 
                          f"{_MAX_SPEC_CHARS}")
     _check_form(params, field)
     order = ["xgrammar", "guidance"] if preferred == "auto" else [preferred]
-    if preferred == "auto" and params.kind == "json" and _uses(params.schema(), _XGRAMMAR_IGNORES):
+    errors = []
+    gap = unenforced(params.schema()) if preferred == "auto" and params.kind == "json" else None
+    if gap is not None:
         order = ["guidance"]  # enforced by llguidance, or refused: never silently ignored
+        errors.append(f"xgrammar: does not enforce {gap}")
     if preferred == "auto" and params.whitespace_pattern is not None:
         order = ["guidance"]  # xgrammar has no whitespace pattern
     if preferred == "auto" and params.kind == "structural_tag":
         order = ["xgrammar"]  # llguidance has no structural tags
-    errors = []
     for backend in order:
         try:
             _VALIDATORS[backend](params)
@@ -92,14 +91,6 @@ def _check_schema(schema: dict[str, Any], field: str) -> None:
         where = "/".join(str(p) for p in e.path)
         raise ValueError(f"{field}: invalid JSON schema{f' at {where}' if where else ''}: "
                          f"{_short(e.message)}") from None
-
-
-def _uses(node: Any, keywords: frozenset[str]) -> bool:
-    if isinstance(node, dict):
-        return any(k in keywords for k in node) or any(_uses(v, keywords) for v in node.values())
-    if isinstance(node, list):
-        return any(_uses(v, keywords) for v in node)
-    return False
 
 
 def _short(e: object) -> str:
