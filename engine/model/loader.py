@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,10 +88,16 @@ def load_model(
 
 
 def load_tokenizer(model_path: Path | str) -> Any:
-    """The folder's transformers tokenizer (with its chat template)."""
-    from transformers import AutoTokenizer
+    """The folder's transformers tokenizer (with its chat template). Thread-safe: transformers'
+    lazy first import of AutoTokenizer fails ("cannot import name") when two threads race it
+    (workers started together in one process; a grammar thread beside a loading worker)."""
+    with _IMPORT_LOCK:
+        from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_path))
+
+
+_IMPORT_LOCK = threading.Lock()
 
 
 def model_max_len(hf_config: Any) -> int:
