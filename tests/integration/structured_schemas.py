@@ -57,8 +57,9 @@ _PERSON_LITE = _obj({"name": _str(20), "phone": {"type": "string",
 # name -> (what to ask for, JSON schema)
 SCHEMAS: dict[str, tuple[str, dict[str, Any]]] = {
     "person": ("Describe a person: name, age and email address.",
-               _obj({"name": _str(20), "age": _int(0, 120), "email": {"type": "string",
-                                                                       "format": "email"}})),
+               _obj({"name": _str(20), "age": _int(0, 120),
+                     # bounded: at temperature 1.0 an unbounded address can run to max_tokens
+                     "email": _str(40, format="email")})),
     "book": ("Describe a famous book: title, author, year and up to three genres.",
              _obj({"title": _str(40), "author": _str(30), "year": _int(1400, 2025),
                    "genres": {"type": "array", "minItems": 1, "maxItems": 3,
