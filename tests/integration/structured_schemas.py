@@ -107,7 +107,7 @@ SCHEMAS: dict[str, tuple[str, dict[str, Any]]] = {
     "contact_any_of": ("Give a contact: an email or a phone number.",
                        _obj({"name": _str(20),
                              "contact": {"anyOf": [
-                                 _obj({"email": {"type": "string", "format": "email"}}),
+                                 _obj({"email": _str(40, format="email")}),  # as person's
                                  _obj({"phone": {"type": "string",
                                                  "pattern": "^[0-9]{3}-[0-9]{4}$"}})]}})),
     "product_const": ("Describe a product priced in US dollars.",
