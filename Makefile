@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-connector clean
+.PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-connector bench-structured clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,9 @@ bench-kvstore: setup
 bench-connector: setup
 	$(BIN)/python benchmarks/bench_connector.py
 	$(BIN)/python benchmarks/bench_kv_reuse.py
+
+bench-structured: setup
+	$(BIN)/python benchmarks/bench_structured.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

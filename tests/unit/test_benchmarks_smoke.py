@@ -140,3 +140,41 @@ def test_bench_kvstore_runs_every_system(capsys: pytest.CaptureFixture[str]) -> 
     # per row: 4 systems, the secured / open time ratio and its verdict, vs gRPC, vs Redis
     for measure in ("put 1 MB", "get 1 MB", "30-layer get latency p99 (ms)"):
         assert float(rows[measure][4]) > 0 and rows[measure][5] in {"ok", "MISS"}
+
+
+@pytest.fixture(scope="module")
+def tiny_model_json_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama with the default model's tokenizer (a grammar needs real tokens)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.unit.engine.conftest import smollm2_tokenizer_dir
+
+    path = tmp_path_factory.mktemp("tiny-llama-json")
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    for f in smollm2_tokenizer_dir().iterdir():
+        (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+def test_bench_structured_compares_constrained_with_unconstrained(
+    tiny_model_json_vocab: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks import bench_structured
+
+    argv = ["--model", str(tiny_model_json_vocab), "--num-requests", "2", "--max-tokens", "6",
+            "--repeats", "1", "--threads", "1", "--kv-cache-gib", "0.05", "--max-model-len", "256"]
+    assert bench_structured.main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"tokens per round: structured (\d+), unconstrained \1;", out)  # same work
+    assert "load average" in out
+    rows = table_rows(out)
+    _, _, ratio, _, verdict = rows["output tok/s, 2 concurrent"]
+    assert float(ratio) > 0 and verdict in {"ok", "MISS"}
+    for measure in ("TTFT ms, new schema", "TTFT ms, cached schema", "compile ms, new schema",
+                    "start to ready ms, cached schema"):
+        assert float(rows[measure][0]) > 0
