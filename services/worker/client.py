@@ -78,8 +78,13 @@ class Logprob:
 PositionLogprobs = list[Logprob]
 
 
+# A token a grammar (or allowed_token_ids) forbids has logprob -inf, which JSON cannot carry (a
+# reply would be a 500): clamped as vLLM's server does.
+MIN_LOGPROB = -9999.0
+
+
 def _logprobs(position: pb.PositionLogprobs) -> PositionLogprobs:
-    return [Logprob(c.token_id, c.logprob, c.rank) for c in position.candidates]
+    return [Logprob(c.token_id, max(c.logprob, MIN_LOGPROB), c.rank) for c in position.candidates]
 
 
 @dataclass(frozen=True)

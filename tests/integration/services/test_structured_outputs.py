@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -282,3 +283,28 @@ async def test_a_worker_refuses_an_uncompilable_spec_over_grpc_and_keeps_serving
 async def _drain(client: WorkerClient, request_id: str, params: SamplingParams) -> None:
     async for _ in client.decode(request_id, [5, 6, 7], params):
         pass
+
+
+@in_module_loop
+@pytest.mark.parametrize("stream", [False, True])
+async def test_top_logprobs_past_what_the_grammar_allows_are_clamped_not_a_500(
+        routers: dict[str, ServedRouter], stream: bool) -> None:
+    """A choice allows a handful of tokens per position: the rest of a top-20 have logprob -inf,
+    which JSON cannot carry; they come back as -9999 (vLLM's floor), the reply a 200."""
+    async with openai.AsyncOpenAI(base_url=routers["split"].base_url, api_key="x", max_retries=0,
+                                  timeout=120) as client:
+        kw: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "logprobs": True,
+                              "top_logprobs": 20, "temperature": 0.0,
+                              "extra_body": {"guided_choice": ["yes", "no"]}}
+        tops: list[float] = []
+        if stream:
+            async for chunk in await client.chat.completions.create(**kw, stream=True):
+                for c in chunk.choices:
+                    for t in (c.logprobs.content or []) if c.logprobs else []:
+                        tops += [x.logprob for x in t.top_logprobs]
+        else:
+            choice = (await client.chat.completions.create(**kw)).choices[0]
+            assert choice.message.content in ("yes", "no")
+            assert choice.logprobs is not None and choice.logprobs.content is not None
+            tops = [x.logprob for t in choice.logprobs.content for x in t.top_logprobs]
+    assert tops and min(tops) == -9999.0 and all(math.isfinite(x) for x in tops)
