@@ -53,13 +53,7 @@ def choose_backend(params: StructuredOutputsParams, preferred: str = "auto") -> 
 def _check_form(params: StructuredOutputsParams, field: str) -> None:
     kind = params.kind
     if kind == "json":
-        try:
-            schema = json.loads(params.json or "")
-        except ValueError as e:
-            raise ValueError(f"{field}: is not valid JSON: {e}") from None
-        if not isinstance(schema, dict):
-            raise ValueError(f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
-        _check_schema(schema, field)
+        _check_schema(_json_object(params.json or "", field, "a JSON schema"), field)
     elif kind == "choice":
         choices = params.choice or []
         if not choices:
@@ -71,12 +65,21 @@ def _check_form(params: StructuredOutputsParams, field: str) -> None:
         if not isinstance(value, str) or not value.strip():
             raise ValueError(f"{field}: the {kind} must be a non-empty string")
     if kind == "structural_tag":
-        try:
-            tag = json.loads(params.structural_tag or "")
-        except ValueError as e:
-            raise ValueError(f"{field}: is not valid JSON: {e}") from None
-        if not isinstance(tag, dict):
-            raise ValueError(f"{field}: a structural tag must be a JSON object")
+        _json_object(params.structural_tag or "", field, "a structural tag")
+
+
+def _json_object(text: str, field: str, what: str) -> dict[str, Any]:
+    """`text` parsed as a JSON object, else a ValueError naming the field (JSON nested past the
+    parser's recursion limit included)."""
+    try:
+        value = json.loads(text)
+    except RecursionError as e:
+        raise ValueError(f"{field}: nested too deeply ({e})") from None
+    except ValueError as e:
+        raise ValueError(f"{field}: is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field}: {what} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _check_schema(schema: dict[str, Any], field: str) -> None:

@@ -3,7 +3,8 @@ regexes, 4 choice lists) on the default model, every case in one batch, greedy a
 temperature 1.0: every output parses and validates (jsonschema with a format checker, regex
 fullmatch, one of the choices) and ends with finish_reason "stop".
 
-The whole suite takes minutes on two CPU cores, so it is `slow`; the default run takes SUBSET."""
+The whole suite takes minutes on two CPU cores, so it is `slow`, and so is SUBSET (2-3 min); the
+default run checks the suite's own consistency and its checks."""
 
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ def run_suite(llm: LLM, cases: list[Case]) -> float:
     return seconds
 
 
+@pytest.mark.slow  # 2-3 min on 2 cores; engine structured tests cover the tiny model by default
 def test_a_representative_subset_on_the_default_model(llm: LLM,
                                                       record_property: pytest.RecordProperty) -> None:
     record_property("seconds", run_suite(llm, SUBSET))

@@ -139,6 +139,7 @@ ASK = {
 }
 
 
+@pytest.mark.slow  # ~65 s on 2 cores: the tiny models run by default
 def test_the_default_model_matches_transformers_with_xgrammar(default_model_dir: Path) -> None:
     from transformers import AutoTokenizer
 

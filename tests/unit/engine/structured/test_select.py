@@ -124,7 +124,7 @@ SOURCE = "response_format.json_schema.schema"
 
 @pytest.mark.parametrize(("params", "message"), [
     (SOP(json="{not json", source=SOURCE), f"{SOURCE}: is not valid JSON"),
-    (SOP(json="[1, 2]", source=SOURCE), f"{SOURCE}: a JSON schema must be an object"),
+    (SOP(json="[1, 2]", source=SOURCE), f"{SOURCE}: a JSON schema must be a JSON object"),
     (SOP(json={"type": "objekt"}, source=SOURCE), f"{SOURCE}: invalid JSON schema at type"),
     (SOP(json={"type": "object", "required": "a"}, source=SOURCE),
      f"{SOURCE}: invalid JSON schema at required: 'a' is not of type 'array'"),
