@@ -336,8 +336,14 @@ def _add_secrets(subparsers: Any) -> None:
     add_secrets_parser(subparsers)
 
 
+def _add_drain(subparsers: Any) -> None:
+    from services.drain import add_drain_parser
+
+    add_drain_parser(subparsers)
+
+
 SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_worker, _add_router,
-                                            _add_up, _add_autoscaler, _add_secrets]
+                                            _add_up, _add_autoscaler, _add_secrets, _add_drain]
 
 
 def build_parser() -> argparse.ArgumentParser:
