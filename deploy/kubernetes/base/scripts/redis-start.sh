@@ -1,21 +1,29 @@
 #!/bin/sh
 # Starts one Redis Cluster node of the pdserve-redis StatefulSet.
-# Its identity (node id, slots, peers) is /data/nodes.conf, kept on the pod's volume. The pods'
-# IPs change when they restart, so before starting, every peer that nodes.conf names by its
+# Its identity (node id, slots, peers) is $DATA_DIR/nodes.conf, kept on the pod's volume. The
+# pods' IPs change when they restart, so before starting, every node that nodes.conf names by its
 # stable hostname gets that name's current address (the others' answers fix the rest).
+# Environment (the defaults are the pod's): POD_NAMESPACE, REDIS_PORT [6379], DATA_DIR [/data],
+# SECRETS_DIR [/run/pdserve-secrets: redis.conf and redis-password], ANNOUNCE_HOSTNAME
+# [<hostname>.pdserve-redis.<namespace>.svc].
 set -eu
 : "${POD_NAMESPACE:=pdserve}"
-conf=/data/redis-runtime.conf
+: "${REDIS_PORT:=6379}"
+: "${DATA_DIR:=/data}"
+: "${SECRETS_DIR:=/run/pdserve-secrets}"
+: "${ANNOUNCE_HOSTNAME:=$(hostname).pdserve-redis.$POD_NAMESPACE.svc}"
+conf=$DATA_DIR/redis-runtime.conf
+nodes=$DATA_DIR/nodes.conf
 umask 077
 # The password: redis.conf from the Secret (requirepass), and masterauth so that a replica can
 # follow its master; written to the volume (owner-only), never on the command line.
 {
-  echo "include /run/pdserve-secrets/redis.conf"
-  echo "masterauth $(cat /run/pdserve-secrets/redis-password)"
+  echo "include $SECRETS_DIR/redis.conf"
+  echo "masterauth $(cat "$SECRETS_DIR/redis-password")"
 } > "$conf"
-if [ -f /data/nodes.conf ]; then
-  cp /data/nodes.conf /data/nodes.conf.bak
-  # Lines: <id> <ip>:<port>@<cport>,<hostname> <flags> ... (hostname: cluster-announce-hostname)
+if [ -f "$nodes" ]; then
+  cp "$nodes" "$nodes.bak"
+  # Lines: <id> <ip>:<port>@<cport>,<hostname> <flags> ... (the hostname each node announced)
   awk '{
     split($2, a, ",");
     host = a[2];
@@ -27,10 +35,9 @@ if [ -f /data/nodes.conf ]; then
       if (ip != "") { sub(/^[^:]*:/, ip ":", $2) }
     }
     print
-  }' /data/nodes.conf.bak > /data/nodes.conf
+  }' "$nodes.bak" > "$nodes"
 fi
-exec redis-server "$conf" \
-  --cluster-enabled yes --cluster-config-file /data/nodes.conf --cluster-node-timeout 5000 \
-  --cluster-announce-hostname "$(hostname).pdserve-redis.$POD_NAMESPACE.svc" \
-  --cluster-preferred-endpoint-type hostname \
-  --bind 0.0.0.0 --protected-mode no --dir /data --save "" --appendonly no
+exec redis-server "$conf" --port "$REDIS_PORT" \
+  --cluster-enabled yes --cluster-config-file "$nodes" --cluster-node-timeout 5000 \
+  --cluster-announce-hostname "$ANNOUNCE_HOSTNAME" --cluster-preferred-endpoint-type hostname \
+  --bind 0.0.0.0 --protected-mode no --dir "$DATA_DIR" --save "" --appendonly no
