@@ -116,16 +116,15 @@ def test_the_configmap_holds_composes_defaults(compose: dict[str, Any], settings
     assert {k: settings.get(k) for k in want} == want
     # compose's literal settings of every pdserve container
     assert settings["PDSERVE_CACHE_DIR"] == compose["x-pdserve"]["environment"]["PDSERVE_CACHE_DIR"]
-    # nothing in the ConfigMap that compose does not know (but where the router is)
+    # nothing in the ConfigMap that compose does not know
     compose_text = (ROOT / "compose.yaml").read_text()
-    assert {k for k in settings if k not in compose_text} == {"PDSERVE_ROUTER_URL"}
+    assert {k for k in settings if k not in compose_text} == set()
 
 
 def test_replicas_as_composes(cpu: Objs, settings: dict[str, str]) -> None:
     deployments = by_kind(cpu, "Deployment")
     assert deployments["pdserve-prefill"]["spec"]["replicas"] == int(settings["PDSERVE_PREFILL_REPLICAS"])
     assert deployments["pdserve-decode"]["spec"]["replicas"] == int(settings["PDSERVE_DECODE_REPLICAS"])
-    assert settings["PDSERVE_ROUTER_URL"] == "http://pdserve-router:8000"
 
 
 @pytest.mark.parametrize("name", sorted(ROLES))
