@@ -173,6 +173,8 @@ def test_the_gpu_overlay_changes_the_workers_only(cpu: Objs, gpu: Objs) -> None:
             assert worker["args"] == ["--device", device]
             gpus = {k: v for k, v in worker["resources"].get("limits", {}).items() if k == "nvidia.com/gpu"}
             assert gpus == ({"nvidia.com/gpu": 1} if device == "cuda" else {})
+        # no surge pod waiting for a spare GPU in a rollout
+        assert gpu_by[key]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
 
 
 def test_the_redis_scripts_parse() -> None:
