@@ -213,7 +213,7 @@ class KVStoreServer(flight.FlightServerBase):
 
     def _health(self, body: bytes) -> bytes:
         try:
-            self.backend.exists(["pdserve-health-probe"])
+            self.backend.probe()
             status = "SERVING"
         except Exception as exc:
             logger.warning("health probe failed: %s", exc)
