@@ -45,6 +45,18 @@ def free_cluster_ports(n: int, low: int, high: int) -> list[int]:
     raise RuntimeError(f"no {n} free ports (with free bus ports) in [{low}, {high})")
 
 
+def free_port_in(low: int, high: int, taken: set[int] | None = None) -> int:
+    """A free loopback port in [low, high), not in `taken` (which it is added to)."""
+    taken = taken if taken is not None else set()
+    candidates = [p for p in range(low, high) if p not in taken]
+    random.shuffle(candidates)
+    for port in candidates:
+        if port_free("127.0.0.1", port):
+            taken.add(port)
+            return port
+    raise RuntimeError(f"no free port in [{low}, {high})")
+
+
 class RedisCluster:
     """`masters` redis-server processes on `ports` (default: free ones in [low, high)) under
     `workdir`, joined into one cluster covering all 16384 slots; `start()` returns once every
