@@ -108,6 +108,8 @@ class StoreLink:
                 raise self._auth_refused(op, exc) from exc
             except (flight.FlightServerError, flight.FlightInternalError) as exc:
                 raise KVStoreClientError(f"{op}: {server_message(exc)}") from exc
+            except pa.ArrowException as exc:  # any other failure of the call (a broken stream)
+                raise KVStoreClientError(f"{op}: {server_message(exc)}") from exc
         raise AssertionError("unreachable")
 
     def parallel(self, op: str, tasks: list[Callable[[flight.FlightClient], T]]) -> list[T]:
