@@ -38,6 +38,7 @@ def lmcache_url(cluster_url: str) -> str:
     return "redis-cluster://" + cluster_url.removeprefix("redis://")
 
 
+@pytest.mark.slow  # ~20 s (LMCache's import); the default run keeps the other direction
 def test_lmcache_cluster_connector_reads_what_our_lmcache_layout_wrote(
         cluster_url: str, tmp_path: Path) -> None:
     key = f"pdserve-compat@1@0@{0x5EED1001:x}@bfloat16"
