@@ -29,7 +29,6 @@ from lmcache.v1.storage_backend.connector.redis_adapter import RedisClusterConne
 from lmcache.v1.storage_backend.connector.redis_connector import RedisClusterConnector, RedisConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
-
 Connector = RedisConnector | RedisClusterConnector
 
 
