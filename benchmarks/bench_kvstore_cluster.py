@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -156,10 +157,10 @@ def measure(systems: list[System], args: argparse.Namespace) -> dict[str, dict[s
 
     res: dict[str, dict[str, Any]] = {s.name: {} for s in systems}
     total = args.clients * args.ops * chunk_bytes
-    puts = interleaved({s.name: (lambda s=s: put_all(s)) for s in systems}, args.repeats)
-    gets = interleaved({s.name: (lambda s=s: get_all(s)) for s in systems}, args.repeats)
+    puts = interleaved({s.name: partial(put_all, s) for s in systems}, args.repeats)
+    gets = interleaved({s.name: partial(get_all, s) for s in systems}, args.repeats)
     keys = [k for k, _, _ in chunks[0, 0]]
-    lat = interleaved({s.name: (lambda s=s: s.clients[0].get(keys)) for s in systems},
+    lat = interleaved({s.name: partial(s.clients[0].get, keys) for s in systems},
                       args.latency_samples)
     for s in systems:
         res[s.name] = {"put": total / median(puts[s.name]), "get": total / median(gets[s.name]),
