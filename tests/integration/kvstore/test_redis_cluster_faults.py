@@ -66,6 +66,7 @@ def own_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
         yield cluster
 
 
+@pytest.mark.slow  # ~10 s; the default run has the request-level twin in test_store_cluster_faults.py
 def test_a_front_end_killed_under_load_fails_no_call(redis_cluster: RedisCluster) -> None:
     fronts = frontends(redis_cluster.url, 3)
     client = KVStoreClient(location(fronts), timeout_s=5, use_shm=False)

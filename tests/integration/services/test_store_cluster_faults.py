@@ -1,8 +1,10 @@
 """A prefill and a decode worker whose KV store is three `pdserve kvstore --backend redis-cluster`
 front-ends over a 3-master Redis Cluster (`--kv-store-url grpc://a,grpc://b,grpc://c`), under
 a bounded load of streamed requests through the router: a front-end killed (SIGKILL), then a
-Redis master killed (SIGKILL), and every request still ends with the greedy text a single engine
-gives (what cannot be loaded is recomputed; what cannot be stored is dropped), none fails.
+Redis master killed (SIGKILL), and every request still ends with the greedy text the same
+system gave before any fault (what cannot be loaded is recomputed; what cannot be stored is
+dropped), none fails. (That the unfaulted P/D text equals a single engine's is
+test_store_faults.py's; not repeated here, it would cost another engine start.)
 """
 
 from __future__ import annotations
@@ -24,10 +26,9 @@ from services.worker.server import WorkerOptions, WorkerServer
 from tests.integration.kvstore.cluster_util import frontends, location
 from tests.integration.services.procs_util import Proc
 from tests.integration.services.router_util import ServedRouter
-from tests.integration.services.test_store_faults import MODEL, expected, load_bytes, run_load
+from tests.integration.services.test_store_faults import MODEL, PROMPTS, load_bytes, run_load
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
-__all__ = ["expected"]  # the module fixture, shared with test_store_faults.py
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,16 @@ def router(pd: dict[str, WorkerServer], model_dir: Path) -> Iterator[ServedRoute
     with ServedRouter(RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
                                    dispatch=dispatch)) as served:
         yield served
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def expected(router: ServedRouter) -> dict[str, str]:
+    """Every prompt's text before any fault (3 rounds of 4 users cover all 8 prompts)."""
+    results, _ = await run_load(router, rounds=3)
+    texts = dict(results)
+    assert set(texts) == set(PROMPTS)
+    assert all(text == texts[p] for p, text in results)  # deterministic, reloaded KV or not
+    return texts
 
 
 @in_module_loop
