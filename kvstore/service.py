@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.backend import Backend
+from kvstore.backend import Backend, KVStoreError
 from kvstore.credentials import TLSFiles, is_loopback, parse_token_file
 from kvstore.ports import PortInUseError, port_free, port_in_use_message
 from kvstore.server import KVStoreServer
@@ -251,7 +251,8 @@ def run_kvstore(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         service = KVStoreService(opts).start()
-    except (PortInUseError, ValueError, OSError) as e:  # InsecureBindError, bad auth/TLS files
+    # InsecureBindError, bad auth/TLS files, a Redis (Cluster) that cannot be reached
+    except (PortInUseError, ValueError, OSError, KVStoreError) as e:
         print(f"pdserve kvstore: {e}", file=sys.stderr)
         return 1
     print(f"kvstore: {service.backend.name} backend on {service.location}", flush=True)

@@ -68,10 +68,11 @@ class RedisClusterBackend(Backend):
             options["password"] = password
         # Few, short retries: a call on a dead master's slot should fail fast (the client
         # recomputes), not wait out redis-py's default ten attempts.
-        self._redis = RedisCluster(
-            startup_nodes=nodes, require_full_coverage=False, cluster_error_retry_attempts=2,
-            retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
-            socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s, **options)
+        with _cluster_errors():  # asks a startup node for the slot map: fails if none answers
+            self._redis = RedisCluster(
+                startup_nodes=nodes, require_full_coverage=False, cluster_error_retry_attempts=2,
+                retry=Retry(ExponentialBackoff(cap=0.2, base=0.02), 2),
+                socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s, **options)
         self._counts_lock = threading.Lock()
         self._hits = 0
         self._misses = 0
