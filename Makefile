@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-connector bench-structured clean
+.PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -67,6 +67,9 @@ bench-prefix: setup
 
 bench-kvstore: setup
 	$(BIN)/python benchmarks/bench_kvstore.py
+
+bench-kvstore-cluster: setup
+	$(BIN)/python benchmarks/bench_kvstore_cluster.py
 
 bench-connector: setup
 	$(BIN)/python benchmarks/bench_connector.py

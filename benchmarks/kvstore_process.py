@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -25,14 +26,18 @@ class StoreProcess:
     """`secured`: the server checks tokens; `token` is the one client credential it accepts
     (roles producer and consumer, what a connector needs). Open: `token` is None."""
 
-    def __init__(self, capacity: str = "4GiB", secured: bool = False) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+    def __init__(self, capacity: str = "4GiB", secured: bool = False, extra: Sequence[str] = (),
+                 port: int | None = None) -> None:
+        """`extra`: more `pdserve kvstore` flags (e.g. `--backend redis-cluster --redis-url ..`)."""
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = int(s.getsockname()[1])
+        self.port = port
         self.token: str | None = None
         self._dir: str | None = None
         argv = [sys.executable, "-m", "services.cli", "kvstore", "--capacity", capacity, "--port",
-                str(self.port), "--log-level", "WARNING"]
+                str(self.port), "--log-level", "WARNING", *extra]
         if secured:
             self.token = secrets.token_urlsafe(32)
             self._dir = tempfile.mkdtemp(prefix="pdserve-bench-auth-")  # mode 0700

@@ -114,5 +114,10 @@ class Backend(abc.ABC):
             n += 1
         return n
 
+    def probe(self) -> None:
+        """Raises when the backend cannot serve (the server's health action); the default asks
+        whether one key exists."""
+        self.exists(["pdserve-health-probe"])
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections; the default has none."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import pyarrow.flight as flight
 
@@ -53,11 +54,15 @@ class StoreCredentials:
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [(b"authorization", b"Bearer " + self.token.encode())] if self.token else []
 
-    def connect(self, location: str, generic_options: list[tuple[str, int]]) -> flight.FlightClient:
+    def connect(self, location: str, generic_options: list[tuple[str, int]],
+                server_name: str | None = None) -> flight.FlightClient:
         """A Flight client of `location` (with this client's TLS roots and certificate when
-        the location is grpc+tls://)."""
-        kwargs: dict[str, bytes] = {}
+        the location is grpc+tls://; `server_name` is the name the server's certificate must
+        hold when the location is an address found by DNS)."""
+        kwargs: dict[str, Any] = {}
         if location.startswith("grpc+tls://"):
+            if server_name is not None:
+                kwargs["override_hostname"] = server_name
             if self.tls.ca is not None:
                 kwargs["tls_root_certs"] = _read(self.tls.ca)
             if self.tls.cert is not None and self.tls.key is not None:

@@ -35,6 +35,11 @@ class KVStoreClientError(Exception):
     """The server rejected a call (the message says why) or could not be reached."""
 
 
+class KVStoreUnavailableError(KVStoreClientError):
+    """The store could not be reached or did not answer in time (or its breaker is open): another
+    front-end of the same store may serve the call."""
+
+
 class KVStoreRejectedError(KVStoreClientError):
     """The server refused the request itself (bad key, metadata, size...): sending it another
     way would not help."""
@@ -51,9 +56,10 @@ class StoreLink:
     their own, `action` runs one control action; all of them bounded by `timeout_s`."""
 
     def __init__(self, credentials: StoreCredentials, location: str, timeout_s: float,
-                 streams: int, breaker_s: float) -> None:
+                 streams: int, breaker_s: float, server_name: str | None = None) -> None:
         self.credentials = credentials
         self.location = location
+        self.server_name = server_name  # the name TLS checks, when `location` is an address
         self.timeout_s = timeout_s
         self.streams = streams
         self.breaker_s = breaker_s
@@ -65,10 +71,14 @@ class StoreLink:
         self._pool_lock = threading.Lock()
         self._executor: ThreadPoolExecutor | None = None
 
+    def is_down(self) -> bool:
+        """Whether the breaker is open (calls fail at once)."""
+        return self.down_until > time.monotonic()
+
     def conn(self) -> flight.FlightClient:
         """The main channel (opened on first use)."""
         if self._client is None:
-            self._client = self.credentials.connect(self.location, CHANNEL_OPTIONS)
+            self._client = self.credentials.connect(self.location, CHANNEL_OPTIONS, self.server_name)
         return self._client
 
     def options(self, timeout_s: float | None = None) -> flight.FlightCallOptions:
@@ -79,7 +89,7 @@ class StoreLink:
         """Runs `fn`; on a broken connection reconnects once and retries."""
         left = self.down_until - time.monotonic()
         if left > 0:
-            raise KVStoreClientError(f"{op}: KV store at {self.location} unavailable (not asked again "
+            raise KVStoreUnavailableError(f"{op}: KV store at {self.location} unavailable (not asked again "
                                      f"for {left:.1f} s after: {self._down_reason})")
         for attempt in (0, 1):
             try:
@@ -97,6 +107,8 @@ class StoreLink:
             except (flight.FlightUnauthenticatedError, flight.FlightUnauthorizedError) as exc:
                 raise self._auth_refused(op, exc) from exc
             except (flight.FlightServerError, flight.FlightInternalError) as exc:
+                raise KVStoreClientError(f"{op}: {server_message(exc)}") from exc
+            except pa.ArrowException as exc:  # any other failure of the call (a broken stream)
                 raise KVStoreClientError(f"{op}: {server_message(exc)}") from exc
         raise AssertionError("unreachable")
 
@@ -134,7 +146,7 @@ class StoreLink:
         better than many streams on one channel)."""
         with self._pool_lock:
             while len(self._pool) <= i:
-                self._pool.append(self.credentials.connect(self.location, CHANNEL_OPTIONS))
+                self._pool.append(self.credentials.connect(self.location, CHANNEL_OPTIONS, self.server_name))
             return self._pool[i]
 
     def _auth_refused(self, op: str, exc: Exception) -> KVStoreAuthError:
@@ -148,12 +160,12 @@ class StoreLink:
             logger.error("%s (check PDSERVE_KV_TOKEN and the store's token file)", error)
         return error
 
-    def _trip(self, message: str) -> KVStoreClientError:
+    def _trip(self, message: str) -> KVStoreUnavailableError:
         if self.breaker_s > 0:
             self.down_until = time.monotonic() + self.breaker_s
             self._down_reason = message
             logger.warning("%s; not asking the store again for %.0f s", message, self.breaker_s)
-        return KVStoreClientError(message)
+        return KVStoreUnavailableError(message)
 
     def _reset_connections(self) -> None:
         with self._pool_lock:  # parallel streams take pool channels under it

@@ -139,8 +139,12 @@ class KVStoreServer(flight.FlightServerBase):
         req = _parse(pb.GetRequest, ticket.ticket, "get")
         keys = list(req.keys)
         _check_keys(keys, "get")
-        batches = [b for key in keys for b in _batches(key, self.backend.get(key), req.offset,
-                                                        req.length)]
+        try:
+            batches = [b for key in keys for b in _batches(key, self.backend.get(key), req.offset,
+                                                            req.length)]
+        except KVStoreError as exc:  # e.g. the Redis holding the key is down: the client's miss
+            self.metrics.errors.labels("get").inc()
+            raise pa.ArrowInvalid(str(exc)) from exc
         self.metrics.get_bytes.inc(sum(b.column(2).buffers()[2].size for b in batches
                                        if b.column(2).buffers()[2] is not None))
         self.metrics.get_latency.observe(time.perf_counter() - start)
@@ -213,7 +217,7 @@ class KVStoreServer(flight.FlightServerBase):
 
     def _health(self, body: bytes) -> bytes:
         try:
-            self.backend.exists(["pdserve-health-probe"])
+            self.backend.probe()
             status = "SERVING"
         except Exception as exc:
             logger.warning("health probe failed: %s", exc)

@@ -4,6 +4,7 @@ HTTP, all over one backend.
 
     pdserve kvstore --backend memory --capacity 8GiB --port 50071 [--lm-port 65432]
     pdserve kvstore --backend redis --redis-url redis://127.0.0.1:6379/0 --ttl 3600
+    pdserve kvstore --backend redis-cluster --redis-url redis://r1:6379,r2:6379,r3:6379
     pdserve kvstore --host 0.0.0.0 --auth-file tokens.txt --tls-cert s.pem --tls-key s.key
 
 Protected mode (as Redis's): without a token file the store serves only a loopback address
@@ -23,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kvstore.backend import Backend
+from kvstore.backend import Backend, KVStoreError
 from kvstore.credentials import TLSFiles, is_loopback, parse_token_file
 from kvstore.ports import PortInUseError, port_free, port_in_use_message
 from kvstore.server import KVStoreServer
@@ -45,7 +46,8 @@ class StoreOptions:
     backend: str = "memory"
     capacity: str = "8GiB"
     max_object_size: str | None = None
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # redis-cluster: comma-separated startup nodes
+    redis_cluster_layout: str = "slot"  # kvstore/backends/cluster_keys.py
     ttl_s: float | None = None
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -119,7 +121,12 @@ def build_backend(opts: StoreOptions) -> Backend:
         from kvstore.backends.redis_backend import RedisBackend
 
         return RedisBackend(opts.redis_url, default_ttl_s=opts.ttl_s)
-    raise ValueError(f"backend must be 'memory' or 'redis', got {opts.backend!r}")
+    if opts.backend == "redis-cluster":
+        from kvstore.backends.redis_cluster import RedisClusterBackend
+
+        return RedisClusterBackend(opts.redis_url, layout=opts.redis_cluster_layout,
+                                   default_ttl_s=opts.ttl_s)
+    raise ValueError(f"backend must be 'memory', 'redis' or 'redis-cluster', got {opts.backend!r}")
 
 
 class KVStoreService:
@@ -194,10 +201,15 @@ class KVStoreService:
 
 def add_kvstore_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("kvstore", help="run the shared KV store service")
-    p.add_argument("--backend", choices=["memory", "redis"], default="memory")
+    p.add_argument("--backend", choices=["memory", "redis", "redis-cluster"], default="memory",
+                   help="redis-cluster: a stateless front-end; run several over one cluster")
     p.add_argument("--capacity", default="8GiB", help="memory backend: bytes held (8GiB, 512MiB)")
     p.add_argument("--max-object-size", default=None, help="largest object accepted (e.g. 256MiB)")
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="redis-cluster: startup nodes, redis://host:port[,host:port...]")
+    p.add_argument("--redis-cluster-layout", choices=["slot", "lmcache"], default="slot",
+                   help="slot: an object's keys in one hash slot (atomic puts); lmcache: "
+                        "LMCache's RedisClusterConnector keys (not atomic across slots)")
     p.add_argument("--ttl", type=float, default=None, help="default seconds until objects expire")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="Arrow Flight port")
@@ -227,6 +239,7 @@ def add_kvstore_parser(subparsers: Any) -> None:
 def run_kvstore(args: argparse.Namespace) -> int:
     opts = StoreOptions(backend=args.backend, capacity=args.capacity,
                         max_object_size=args.max_object_size, redis_url=args.redis_url,
+                        redis_cluster_layout=args.redis_cluster_layout,
                         ttl_s=args.ttl, host=args.host, port=args.port, lm_port=args.lm_port,
                         metrics_port=args.metrics_port, validate=not args.no_validate,
                         shm_dir=args.shm_dir,
@@ -238,7 +251,8 @@ def run_kvstore(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         service = KVStoreService(opts).start()
-    except (PortInUseError, ValueError, OSError) as e:  # InsecureBindError, bad auth/TLS files
+    # InsecureBindError, bad auth/TLS files, a Redis (Cluster) that cannot be reached
+    except (PortInUseError, ValueError, OSError, KVStoreError) as e:
         print(f"pdserve kvstore: {e}", file=sys.stderr)
         return 1
     print(f"kvstore: {service.backend.name} backend on {service.location}", flush=True)

@@ -126,7 +126,9 @@ def _add_worker(subparsers: Any) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None,
                    help="default 50051 (prefill) or 50061 (decode, colocated); 0 = any free port")
-    p.add_argument("--kv-store-url", default="grpc://127.0.0.1:50071")
+    p.add_argument("--kv-store-url", default="grpc://127.0.0.1:50071",
+                   help="the KV store, or several front-ends of one (a redis-cluster store): "
+                        "grpc://a:50071,grpc://b:50071 or dns:name:50071 (every address)")
     p.add_argument("--kv-load-mode", default="auto", choices=["auto", "async", "layerwise"],
                    help="decode: load KV from the store inside the step that schedules the request "
                         "(layerwise), beside the running steps (async), or layer-wise up to "

@@ -178,3 +178,18 @@ def test_bench_structured_compares_constrained_with_unconstrained(
     for measure in ("TTFT ms, new schema", "TTFT ms, cached schema", "compile ms, new schema",
                     "start to ready ms, cached schema"):
         assert float(rows[measure][0]) > 0
+
+
+@pytest.mark.slow  # ~30 s: a Redis Cluster, a redis-server and four store processes
+def test_bench_kvstore_cluster_prints_one_table_with_every_system(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_kvstore_cluster
+    from loadtest.redis_cluster import missing_tools
+
+    if missing_tools() is not None:
+        pytest.skip(str(missing_tools()))
+    assert bench_kvstore_cluster.main(["--repeats", "1", "--latency-samples", "2", "--clients", "2",
+                                       "--ops", "1", "--layer-tokens", "8"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert set(rows) >= {"30-layer get latency p50 (ms)", "put MB/s, 2 clients", "get MB/s, 2 clients"}
+    assert all(len(cells) == 5 for cells in rows.values())

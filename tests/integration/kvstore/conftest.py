@@ -1,5 +1,6 @@
 """A real redis-server for the KV store tests: on a free loopback port, no persistence, stopped
-at the end of the session. Tests that need an empty server use `redis_url` (flushes first)."""
+at the end of the session. Tests that need an empty server use `redis_url` (flushes first).
+Likewise a 3-master Redis Cluster (`redis_cluster`, emptied by `cluster_url`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.redis_cluster import RedisCluster, missing_tools
 from services.procs import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -82,3 +84,29 @@ def redis_url(redis_server: tuple[str, int]) -> str:
     finally:
         client.close()
     return f"redis://{host}:{port}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    """A 3-master Redis Cluster on loopback ports 21000-21499 (helper A's range), no
+    persistence, killed at the end of the session; skips when redis-server / redis-cli are
+    missing."""
+    why = missing_tools()
+    if why is not None:
+        pytest.skip(why)
+    with RedisCluster(tmp_path_factory.mktemp("redis-cluster"), low=21000, high=21500) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def cluster_url(redis_cluster: RedisCluster) -> str:
+    """The session cluster's startup-node URL, every master emptied (FLUSHALL) first."""
+    import redis
+
+    for port in redis_cluster.ports:
+        client = redis.Redis(host="127.0.0.1", port=port)
+        try:
+            client.flushall()
+        finally:
+            client.close()
+    return redis_cluster.url

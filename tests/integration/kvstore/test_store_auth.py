@@ -334,3 +334,20 @@ def test_shared_memory_area_is_private(tmp_path) -> None:
         assert any(n.startswith("obj-") for n in files) and ".token" in files
         for name in files:
             assert stat.S_IMODE(os.stat(os.path.join(directory, name)).st_mode) == 0o600, name
+
+
+def test_a_dns_location_checks_each_address_against_the_name(pki, auth_file, tmp_path) -> None:
+    """`dns:localhost:port` connects to the address localhost resolves to and checks the
+    server's certificate for "localhost": a certificate naming only localhost (no IP) passes
+    there, and fails for the bare address."""
+    cert, key = signed(tmp_path, pki["ca"].removesuffix(".pem"), "name-only",
+                       "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    with KVStoreService(StoreOptions(port=0, shm_dir="off", auth_file=str(auth_file),
+                                     tls_cert=cert, tls_key=key)) as service:
+        port = service.port
+        with KVStoreClient(f"dns:localhost:{port}", timeout_s=5, use_shm=False, token="c-tok",
+                           tls_ca=pki["ca"]) as c:
+            assert c.lookup([item(0)[0]]) == 0
+        with KVStoreClient(f"grpc+tls://127.0.0.1:{port}", timeout_s=5, use_shm=False,
+                           token="c-tok", tls_ca=pki["ca"]) as c, pytest.raises(KVStoreClientError):
+            c.lookup([item(0)[0]])

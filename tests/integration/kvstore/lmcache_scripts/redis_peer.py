@@ -1,4 +1,6 @@
-"""Drives LMCache 0.5.6's own `RedisConnector` against a Redis server; runs in the LMCache venv.
+"""Drives LMCache 0.5.6's own `RedisConnector` against a Redis server, or its
+`RedisClusterConnector` against a Redis Cluster when URL is `redis-cluster://h:p[,h:p...]` (built
+by LMCache's own `RedisClusterConnectorAdapter`); runs in the LMCache venv.
 
     redis_peer.py put URL KEY IN_FILE  --layers L --tokens T --heads H --head-dim D --dtype DT
     redis_peer.py get URL KEY OUT_FILE --layers L --tokens T --heads H --head-dim D --dtype DT
@@ -22,11 +24,15 @@ from lmcache.utils import CacheEngineKey
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.metadata import LMCacheMetadata
-from lmcache.v1.storage_backend.connector.redis_connector import RedisConnector
+from lmcache.v1.storage_backend.connector import ConnectorContext
+from lmcache.v1.storage_backend.connector.redis_adapter import RedisClusterConnectorAdapter
+from lmcache.v1.storage_backend.connector.redis_connector import RedisClusterConnector, RedisConnector
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
 
+Connector = RedisConnector | RedisClusterConnector
 
-def build_connector(args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> RedisConnector:
+
+def build_connector(args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -> Connector:
     dtype = getattr(torch, args.dtype)
     config = LMCacheEngineConfig.from_defaults(chunk_size=args.tokens, local_cpu=False,
                                                max_local_cpu_size=0.1, remote_url=args.url)
@@ -35,6 +41,13 @@ def build_connector(args: argparse.Namespace, loop: asyncio.AbstractEventLoop) -
                                kv_shape=(args.layers, 2, args.tokens, args.heads, args.head_dim),
                                chunk_size=args.tokens)
     local_cpu = LocalCPUBackend(config=config, metadata=metadata, dst_device="cpu")
+    adapter = RedisClusterConnectorAdapter()
+    if adapter.can_parse(args.url):
+        context = ConnectorContext(url=args.url, loop=loop, local_cpu_backend=local_cpu, config=config,
+                                   metadata=metadata)
+        connector = adapter.create_connector(context)
+        assert isinstance(connector, RedisClusterConnector)
+        return connector
     return RedisConnector(args.url, loop, local_cpu)
 
 
@@ -47,7 +60,7 @@ def describe(memory_obj: MemoryObj | None) -> dict[str, object]:
             "fmt": memory_obj.get_memory_format().name}
 
 
-async def put(connector: RedisConnector, args: argparse.Namespace) -> MemoryObj:
+async def put(connector: Connector, args: argparse.Namespace) -> MemoryObj:
     dtype = getattr(torch, args.dtype)
     shape = torch.Size([2, args.layers, args.tokens, args.heads * args.head_dim])
     memory_obj = connector.local_cpu_backend.allocate([shape], [dtype], MemoryFormat.KV_2LTD)
@@ -58,18 +71,21 @@ async def put(connector: RedisConnector, args: argparse.Namespace) -> MemoryObj:
     return memory_obj
 
 
-async def get(connector: RedisConnector, args: argparse.Namespace) -> MemoryObj | None:
+async def get(connector: Connector, args: argparse.Namespace) -> MemoryObj | None:
     memory_obj = await connector.get(CacheEngineKey.from_string(args.key))
     if memory_obj is not None and memory_obj.tensor is not None:
         Path(args.file).write_bytes(memory_obj.tensor.contiguous().view(torch.uint8).numpy().tobytes())
     return memory_obj
 
 
-async def shut_down(connector: RedisConnector) -> None:
+async def shut_down(connector: Connector) -> None:
     # Not connector.close(): in 0.5.6 it calls the executor's blocking shutdown() on the loop's
     # own thread and deadlocks; these are the two steps it means to take.
     await connector.pq_executor.shutdown_async(wait=False)
-    await connector.connection.aclose()
+    if isinstance(connector, RedisClusterConnector):
+        await connector.cluster.aclose()
+    else:
+        await connector.connection.aclose()
 
 
 def main() -> None:
