@@ -26,12 +26,10 @@ import logging
 import time
 
 from services.autoscaler.actuators import wait_serving
-from services.autoscaler.k8s_api import DELETION_COST, KubeApi, KubernetesError, Pod
+from services.autoscaler.k8s_api import DELETION_COST, DEPLOYMENTS, PORTS, KubeApi, KubernetesError, Pod
 
 logger = logging.getLogger(__name__)
 
-DEPLOYMENTS = {"prefill": "pdserve-prefill", "decode": "pdserve-decode"}
-PORTS = {"prefill": 50051, "decode": 50061}
 LOWEST_COST = -(2**31)
 
 

@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+DEPLOYMENTS = {"prefill": "pdserve-prefill", "decode": "pdserve-decode"}  # the manifests' names
+PORTS = {"prefill": 50051, "decode": 50061}
 T = TypeVar("T")
 
 

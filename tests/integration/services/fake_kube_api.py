@@ -98,7 +98,8 @@ class FakeKubeApi:
     def __init__(self, namespace: str, deployments: dict[str, tuple[dict[str, str], int]],
                  start_backend: StartBackend, port: int = 0) -> None:
         self.namespace = namespace
-        self.deployments = {name: FakeDeployment(name, labels, p) for name, (labels, p) in deployments.items()}
+        self.deployments = {name: FakeDeployment(name, labels, p)
+                            for name, (labels, p) in deployments.items()}
         self.pods: dict[str, FakePod] = {}
         self.start_backend = start_backend
         self.lock = threading.RLock()
@@ -211,7 +212,7 @@ class FakeKubeApi:
             if method == "GET":
                 return 200, self._scale_json(d)
             if method == "PATCH" and content_type not in MERGE_PATCHES:
-                return _status(415, "UnsupportedMediaType", f"the fake takes merge patches, not {content_type}")
+                return _status(415, "UnsupportedMediaType", f"merge patches only, not {content_type}")
             if method not in ("PUT", "PATCH"):
                 return _status(405, "MethodNotAllowed", f"{method} on a Scale")
             sent = json.loads(body)
@@ -221,9 +222,10 @@ class FakeKubeApi:
             version = sent.get("metadata", {}).get("resourceVersion")
             if version is not None and version != str(d.resource_version):
                 self.conflicts_answered += 1
-                return _status(409, "Conflict", f'Operation cannot be fulfilled on deployments.apps "{name}": '
-                                                "the object has been modified; please apply your changes "
-                                                "to the latest version and try again")
+                return _status(409, "Conflict",
+                               f'Operation cannot be fulfilled on deployments.apps "{name}": the object '
+                               "has been modified; please apply your changes to the latest version and "
+                               "try again")
             replicas = sent.get("spec", {}).get("replicas", d.replicas if method == "PATCH" else 0)
             d.replicas, d.resource_version = int(replicas), d.resource_version + 1
         self._reconcile(d)

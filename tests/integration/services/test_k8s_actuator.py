@@ -17,9 +17,9 @@ import pytest_asyncio
 
 pytest.importorskip("kubernetes", reason="the Kubernetes actuator needs the kubernetes client (pdserve[k8s])")
 
-from services.autoscaler.k8s_actuator import KubernetesActuator  # noqa: E402
-from services.autoscaler.k8s_api import ConflictError, KubeApi, KubernetesError, api_client  # noqa: E402
-from tests.integration.services.fake_kube_api import (  # noqa: E402
+from services.autoscaler.k8s_actuator import KubernetesActuator
+from services.autoscaler.k8s_api import ConflictError, KubeApi, KubernetesError, api_client
+from tests.integration.services.fake_kube_api import (
     COST,
     FakeKubeApi,
     HealthServer,
@@ -115,7 +115,8 @@ async def test_stop_removes_exactly_that_pod_marked_cheapest_to_delete(
     assert all(COST not in p.annotations for p in fake.live_pods(PREFILL))  # the others keep theirs
 
 
-async def test_the_mark_goes_below_every_other_pods_cost(actuator: KubernetesActuator, fake: FakeKubeApi) -> None:
+async def test_the_mark_goes_below_every_other_pods_cost(
+        actuator: KubernetesActuator, fake: FakeKubeApi) -> None:
     target = await actuator.start("prefill")
     first = next(p for p in fake.live_pods(PREFILL) if f"{p.ip}:{p.port}" != target)
     first.annotations[COST] = "-5000"  # an operator's own ranking
@@ -141,8 +142,8 @@ async def test_a_scale_that_races_another_writer_is_reread_and_retried(
 async def test_a_pod_that_never_serves_is_given_back(fake: FakeKubeApi, tmp_path: Path) -> None:
     fake.scale(NEVER_SERVES, 1)
     api = KubeApi(api_client(str(write_kubeconfig(tmp_path / "kubeconfig", fake.url))), NS)
-    act = KubernetesActuator(api, {"prefill": NEVER_SERVES, "decode": DECODE}, {"prefill": 23071, "decode": 1},
-                             startup_timeout_s=1.5, poll_s=0.05)
+    act = KubernetesActuator(api, {"prefill": NEVER_SERVES, "decode": DECODE},
+                             {"prefill": 23071, "decode": 1}, startup_timeout_s=1.5, poll_s=0.05)
     try:
         with pytest.raises(KubernetesError, match="no new Ready pod"):
             await act.start("prefill")
