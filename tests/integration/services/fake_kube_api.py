@@ -129,9 +129,11 @@ class FakeKubeApi:
         with self.lock:
             pods = list(self.pods.values())
             self.pods.clear()
-        for pod in pods:
-            if pod.backend is not None:
-                pod.backend.stop()
+        stopping = [threading.Thread(target=p.backend.stop) for p in pods if p.backend is not None]
+        for t in stopping:  # in parallel: a worker takes seconds to shut down
+            t.start()
+        for t in stopping:
+            t.join()
 
     def interfere(self, n: int) -> None:
         """The next `n` scale writes lose a race: another writer changes the Scale just before."""
