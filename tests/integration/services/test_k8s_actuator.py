@@ -3,11 +3,14 @@ run here; tests/integration/services/fake_kube_api.py says what it simulates), w
 health servers on their own loopback addresses: scaling up returns a pod's serving podIP:port;
 stopping removes exactly the named pod (marked with the lowest pod-deletion-cost) and no other;
 a scale that races another writer (409) is re-read and retried; a pod that never serves is given
-back; an API server that cannot be reached is a clear error, and the listing survives it."""
+back; an API server that cannot be reached is a clear error, and the listing survives it;
+`pdserve autoscaler --actuator kubernetes` runs from a kubeconfig and leaves the replicas on exit."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,6 +22,7 @@ pytest.importorskip("kubernetes", reason="the Kubernetes actuator needs the kube
 
 from services.autoscaler.k8s_actuator import KubernetesActuator
 from services.autoscaler.k8s_api import ConflictError, KubeApi, KubernetesError, api_client
+from services.procs import cli, stop_process
 from tests.integration.services.fake_kube_api import (
     COST,
     FakeKubeApi,
@@ -173,3 +177,22 @@ async def test_an_unreachable_api_server_is_a_clear_error_and_the_listing_surviv
     await asyncio.sleep(0.5)  # a few background listings fail
     assert actuator.managed("prefill") == known
     assert actuator._refresher is not None and not actuator._refresher.done()
+
+
+def test_the_cli_runs_the_kubernetes_actuator_and_leaves_the_replicas_on_exit(
+        fake: FakeKubeApi, tmp_path: Path) -> None:
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", fake.url)
+    proc = subprocess.Popen(cli("autoscaler", "--actuator", "kubernetes", "--kubeconfig", str(kubeconfig),
+                                "--namespace", NS, "--prefill-deployment", PREFILL, "--decode-deployment",
+                                DECODE, "--prefill-port", "23051", "--decode-port", "23061",
+                                "--router", "http://127.0.0.1:1", "--autoscale-interval-s", "0.2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith(f"pdserve autoscaler: kubernetes actuator, namespace {NS}"), first
+        wait_for(lambda: ("GET", f"/api/v1/namespaces/{NS}/pods") in fake.requests, 30, "a pod listing")
+    finally:
+        code = stop_process(proc, signal.SIGTERM, timeout_s=30)
+    assert code == 0
+    assert fake.deployments[PREFILL].replicas == 1 and fake.deployments[DECODE].replicas == 1
