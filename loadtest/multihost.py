@@ -63,7 +63,7 @@ class Component:
 
 
 class Fleet:
-    """Starts the components (store first, then the workers together, then the router) on
+    """Starts the components (the store first, then the workers and the router together) on
     `hosts` (one each, in that order) or on loopback (`hosts` None); stops them in reverse on
     `stop()`, also when a start failed. Logs go to `log_dir` (default: a temporary one)."""
 
@@ -146,13 +146,15 @@ class Fleet:
                                 creds.worker_env()) for i in range(s.prefill)]
         workers += [self._launch(f"decode-{i}", "decode", ["--role", "decode", *common],
                                  creds.worker_env()) for i in range(s.decode)]
-        with _environment(creds.router_env()):  # the readiness check presents the router's token
-            for w in workers:
-                self._wait(w, worker_ready(w.address), deadline)
+        # The router starts beside the workers (their addresses are known): its pools take each
+        # worker once its load report says it serves.
         targets = [a for w in workers for a in (f"--{w.name.split('-')[0]}", w.address)]
         router = self._launch("router", "router", ["--model", s.served_name, "--tokenizer", s.model,
                                                    *targets, *s.router_args],
                               {**creds.router_env(), "PDSERVE_ADMIN_API_KEY_FILE": str(self._admin_key_file)})
+        with _environment(creds.router_env()):  # the readiness check presents the router's token
+            for w in workers:
+                self._wait(w, worker_ready(w.address), deadline)
         self._wait(router, router_ready(self.router_url), deadline)
 
     def _launch(self, name: str, kind: str, args: list[str], secrets_env: dict[str, str]) -> Component:

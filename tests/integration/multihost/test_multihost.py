@@ -16,7 +16,6 @@ import asyncio
 import os
 import subprocess
 import sys
-import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.multihost import Fleet, FleetSpec
 from loadtest.netns import Hosts, unavailable
+from tests.integration.multihost.store_client import put_and_get
 
 REASON = unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"multi-host test: {REASON}")
@@ -142,29 +142,14 @@ def _store_metrics(fleet: Fleet) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-# A client of the store (the workers' credential): puts one object, reads it back, says whether
-# it saw the store's shared-memory directory.
-CLIENT = textwrap.dedent("""
-    import sys, torch
-    from kvstore.client import KVStoreClient
-    from kvstore.lmcache_format import CacheEngineKey, MemoryFormat, RemoteMetadata, tensor_to_buffer
-    url, token, chunk = sys.argv[1], open(sys.argv[2]).read().strip(), int(sys.argv[3])
-    key = CacheEngineKey("tiny", 1, 0, chunk, "float32").layer(0).to_string()
-    t = torch.arange(4096, dtype=torch.float32).reshape(16, 2, 128)
-    meta = RemoteMetadata.single(tuple(t.shape), t.dtype, MemoryFormat.KV_T2D).pack()
-    with KVStoreClient(url, token=token) as c:
-        c.put([(key, meta, tensor_to_buffer(t))])
-        (got,) = c.get([key])
-        assert got is not None and bytes(got.data) == t.numpy().tobytes()
-        print("shm" if c.shm_dir() else "flight")
-""")
-
-
-def _client_on(fleet: Fleet, host: Any | None, chunk: int) -> str:
-    argv = [sys.executable, "-c", CLIENT, fleet.store_url, fleet.secrets.path("kv-worker-token"),
-            str(chunk)]
-    out = subprocess.run(host.argv(argv) if host is not None else argv, cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def _client_on_store_host(fleet: Fleet, chunk: int) -> str:
+    """store_client.py run on the store's own host (its network and mount namespaces)."""
+    argv = [sys.executable, "-m", "tests.integration.multihost.store_client", fleet.store_url,
+            fleet.secrets.path("kv-worker-token"), str(chunk)]
+    host = fleet.host_of("kvstore")
+    assert host is not None
+    out = subprocess.run(host.argv(argv), cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.strip()
 
@@ -176,11 +161,41 @@ def test_shared_memory_only_where_client_and_store_share_a_host(fleet: Fleet) ->
     assert before["pdserve_kvstore_shm_put_objects_total"] == 0  # ... over the network only
     assert before["pdserve_kvstore_shm_get_objects_total"] == 0
 
-    assert _client_on(fleet, None, chunk=0x1111) == "flight"  # this host: the root namespace
+    worker_token = Path(fleet.secrets.path("kv-worker-token")).read_text().strip()
+    assert put_and_get(fleet.store_url, worker_token, chunk=0x1111) == "flight"  # from this host
     after_other = _store_metrics(fleet)
     assert after_other["pdserve_kvstore_shm_put_objects_total"] == 0
 
-    assert _client_on(fleet, fleet.host_of("kvstore"), chunk=0x2222) == "shm"  # the store's host
+    assert _client_on_store_host(fleet, chunk=0x2222) == "shm"
     after_same = _store_metrics(fleet)
     assert after_same["pdserve_kvstore_shm_put_objects_total"] == 1
     assert after_same["pdserve_kvstore_shm_get_objects_total"] == 1
+
+
+def test_what_a_crashed_run_left_behind_is_removed() -> None:
+    """Namespaces, bridge, veth and FORWARD rule named for a pid that is gone (beyond pid_max)."""
+    import subprocess as sp
+
+    from loadtest.netns import remove_leftovers
+
+    dead = "4194999"
+    sp.run(["ip", "netns", "add", f"pdmh-{dead}-0"], check=True)
+    sp.run(["ip", "link", "add", f"pdmh{dead}b", "type", "bridge"], check=True)
+    sp.run(["ip", "link", "add", f"pdmh{dead}v0", "type", "veth", "peer", "name", f"pdmh{dead}p0"],
+           check=True)
+    rule = ["FORWARD", "-i", f"pdmh{dead}b", "-o", f"pdmh{dead}b", "-m", "comment", "--comment",
+            f"pdmh-{dead}", "-j", "ACCEPT"]
+    has_iptables = sp.run(["iptables", "-I", *rule], capture_output=True).returncode == 0
+    try:
+        removed = remove_leftovers()
+        assert f"pdmh-{dead}-0" in removed and f"pdmh{dead}b" in removed and f"pdmh{dead}v0" in removed
+        assert f"pdmh-{dead}" not in sp.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"pdmh{dead}" not in sp.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+        if has_iptables:
+            rules = sp.run(["iptables", "-S", "FORWARD"], capture_output=True, text=True).stdout
+            assert f"pdmh-{dead}" not in rules
+    finally:
+        sp.run(["ip", "netns", "del", f"pdmh-{dead}-0"], capture_output=True)
+        sp.run(["ip", "link", "del", f"pdmh{dead}b"], capture_output=True)
+        sp.run(["ip", "link", "del", f"pdmh{dead}v0"], capture_output=True)
+        sp.run(["iptables", "-D", *rule], capture_output=True)
