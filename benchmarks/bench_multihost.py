@@ -134,13 +134,17 @@ def measure(args: argparse.Namespace, fleets: dict[str, Fleet], vocab: int) -> d
 
 
 def table(results: dict[str, list[list[float]]], shm: dict[str, tuple[int, int]]) -> str:
+    """Medians over repeats, with the range of the repeats (min-max) beside them."""
     rows: list[list[object]] = []
     for i, metric in enumerate(("TTFT p50 (ms)", "TTFT p99 (ms)", "ITL p99 (ms)")):
-        ns, lo = (median([r[i] for r in results[name]]) for name in SETUPS)
-        rows.append([metric, ns, lo, f"{ns / lo:.2f}x"])
+        per = {name: [r[i] for r in results[name]] for name in SETUPS}
+        mid = {name: median(values) for name, values in per.items()}
+        rows.append([metric, *(f"{mid[n]:.1f} ({min(per[n]):.0f}-{max(per[n]):.0f})" for n in SETUPS),
+                     f"{mid['namespaces'] / mid['loopback']:.2f}x"])
     rows.append(["KV objects put via shared memory", f"{shm['namespaces'][0]} of {shm['namespaces'][1]}",
                  f"{shm['loopback'][0]} of {shm['loopback'][1]}", "-"])
-    return markdown_table(["metric", "namespaces", "loopback", "namespaces / loopback"], rows)
+    return markdown_table(["metric", "namespaces: median (range)", "loopback: median (range)",
+                           "namespaces / loopback"], rows)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -48,9 +48,10 @@ def unavailable() -> str | None:
     """Why hosts cannot be made here (not root, tools missing, namespaces refused), or None."""
     if os.geteuid() != 0:
         return "needs root to create network namespaces (ip netns add), veth pairs and a bridge"
-    for tool in ("ip", "nsenter", "unshare", "mount"):
+    for tool, package in (("ip", "iproute2"), ("nsenter", "util-linux"), ("unshare", "util-linux"),
+                          ("mount", "mount")):
         if shutil.which(tool) is None:
-            return f"needs {tool} on PATH (iproute2 / util-linux) to create network namespaces"
+            return f"needs root and {tool} ({package}) to create network namespaces; none on PATH"
     probe = f"{PREFIX}-{os.getpid()}-probe"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
     if made.returncode != 0:

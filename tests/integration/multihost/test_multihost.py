@@ -123,6 +123,12 @@ def test_every_worker_of_both_pools_served(fleet: Fleet) -> None:
         for comp in fleet.by_kind(kind):
             role, count = dispatched[comp.address]
             assert role == kind and count > 0, dispatched
+    # Every sample was prefilled on a prefill host and decoded on a decode host: none fell back
+    # to computing its prompt on the decode worker.
+    metrics = {(s.name, s.labels.get("decision")): s.value for fam in text_string_to_metric_families(
+        httpx.get(f"{fleet.router_url}/metrics", timeout=10).text) for s in fam.samples}
+    assert metrics[("pdserve:router_decisions_total", "disaggregated")] >= len(PROMPTS)
+    assert metrics.get(("pdserve:router_decisions_total", "fallback"), 0) == 0
 
 
 def test_each_component_runs_on_a_host_of_its_own(fleet: Fleet) -> None:
@@ -157,8 +163,10 @@ def _client_on_store_host(fleet: Fleet, chunk: int) -> str:
 def test_shared_memory_only_where_client_and_store_share_a_host(fleet: Fleet) -> None:
     _all(fleet.base_url, SAMPLINGS["greedy"], stream=False)  # KV handed over, whatever ran before
     before = _store_metrics(fleet)
-    assert before["pdserve_kvstore_put_objects_total"] > 0  # the workers' KV went through the store
-    assert before["pdserve_kvstore_shm_put_objects_total"] == 0  # ... over the network only
+    # Prefill hosts put KV, decode hosts got it, over the network only.
+    assert before["pdserve_kvstore_put_objects_total"] > 0
+    assert before["pdserve_kvstore_get_bytes_total"] > 0 and before["pdserve_kvstore_hits"] > 0
+    assert before["pdserve_kvstore_shm_put_objects_total"] == 0
     assert before["pdserve_kvstore_shm_get_objects_total"] == 0
 
     worker_token = Path(fleet.secrets.path("kv-worker-token")).read_text().strip()
