@@ -16,13 +16,14 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from loadtest.netns import Host, Hosts
 from services.procs import cli, port_free, spawn, stop_process
 from services.readiness import router_ready, store_ready, worker_ready
 from services.secrets import DeploymentSecrets, ensure_secrets
@@ -58,7 +59,7 @@ class FleetSpec:
 class Component:
     name: str
     address: str  # where it listens (host:port)
-    proc: Any = None
+    proc: subprocess.Popen[bytes] | None = None
     instance: str = field(default_factory=lambda: os.urandom(8).hex())
 
 
@@ -67,7 +68,7 @@ class Fleet:
     `hosts` (one each, in that order) or on loopback (`hosts` None); stops them in reverse on
     `stop()`, also when a start failed. Logs go to `log_dir` (default: a temporary one)."""
 
-    def __init__(self, spec: FleetSpec, hosts: Any | None, log_dir: Path | None = None) -> None:
+    def __init__(self, spec: FleetSpec, hosts: Hosts | None, log_dir: Path | None = None) -> None:
         self.spec = spec
         self.hosts = hosts
         self._tmp = tempfile.TemporaryDirectory(prefix="pdserve-fleet-")
@@ -96,7 +97,7 @@ class Fleet:
         self.stop()
 
     # --- where things are ----------------------------------------------------------------------
-    def _host(self, i: int) -> Any | None:
+    def _host(self, i: int) -> Host | None:
         return None if self.hosts is None else self.hosts[i]
 
     def _address(self, i: int, kind: str) -> str:
@@ -127,7 +128,7 @@ class Fleet:
     def base_url(self) -> str:
         return f"{self.router_url}/v1"
 
-    def host_of(self, name: str) -> Any | None:
+    def host_of(self, name: str) -> Host | None:
         """The host a component runs on (None on loopback)."""
         return self._host([c.name for c in self.components].index(name))
 
@@ -177,7 +178,7 @@ class Fleet:
 
     def _wait(self, comp: Component, ready: Callable[[str], bool], deadline: float) -> None:
         while not ready(comp.instance):
-            code = comp.proc.poll()
+            code = comp.proc.poll() if comp.proc is not None else None
             if code is not None:
                 raise RuntimeError(f"{comp.name} exited with {code}: {self.log_tail(comp.name)}")
             if time.monotonic() > deadline:
