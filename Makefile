@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured clean
+.PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,11 +19,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP) system-deps
 
-# redis-server for the Redis backend and its tests (Debian package; root or sudo).
+# redis-server for the Redis backend and its tests, iproute2 (`ip`) for the multi-host test's
+# network namespaces (Debian packages; root or sudo).
 system-deps:
 	@command -v redis-server >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q redis-server; }
+	@command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q iproute2; }
 
 # Compatibility peers in their own venvs (.peers/): LMCache 0.5.6 for the kvstore byte tests.
 peers:
@@ -77,6 +81,10 @@ bench-connector: setup
 
 bench-structured: setup
 	$(BIN)/python benchmarks/bench_structured.py
+
+# Router + 2 prefill + 2 decode + store across network namespaces against loopback (root).
+bench-multihost: setup
+	$(BIN)/python benchmarks/bench_multihost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

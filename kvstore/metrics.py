@@ -24,6 +24,12 @@ class StoreMetrics:
         self.put_objects = Counter("pdserve_kvstore_put_objects", "Objects written", registry=r)
         self.put_bytes = Counter("pdserve_kvstore_put_bytes", "Payload bytes written", registry=r)
         self.get_bytes = Counter("pdserve_kvstore_get_bytes", "Payload bytes read", registry=r)
+        # The same-host path (kvstore/shm.py): objects whose payload went as a file, not over
+        # the network. Zero for clients on other hosts: what the multi-host test checks.
+        self.shm_put_objects = Counter("pdserve_kvstore_shm_put_objects",
+                                       "Objects written through shared memory", registry=r)
+        self.shm_get_objects = Counter("pdserve_kvstore_shm_get_objects",
+                                       "Objects read through shared memory", registry=r)
         self.errors = Counter("pdserve_kvstore_errors", "Rejected calls", ["op"], registry=r)
         self.put_latency = Histogram("pdserve_kvstore_put_seconds", "Put call latency",
                                      buckets=_LATENCY_BUCKETS, registry=r)

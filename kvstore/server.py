@@ -256,6 +256,7 @@ class KVStoreServer(flight.FlightServerBase):
             for obj in objects:
                 # Adopted, the file is the store's: dropped (even by a failing check) = deleted.
                 self._store(obj.key, obj.metadata, area.adopt(obj.file, obj.size), ttl, obj.checksum)
+                self.metrics.shm_put_objects.inc()
                 stored += 1
             return _count(stored)
         finally:
@@ -277,6 +278,7 @@ class KVStoreServer(flight.FlightServerBase):
                 out.objects.add(key=key, found=True, metadata=obj.metadata, file=obj.data.name,
                                 size=obj.data.size, checksum=obj.checksum)
                 nbytes += obj.data.size
+                self.metrics.shm_get_objects.inc()
             else:  # put over Flight, or a backend outside this process: DoGet
                 out.objects.add(key=key, found=True, metadata=obj.metadata, size=len(obj.data),
                                 checksum=obj.checksum)

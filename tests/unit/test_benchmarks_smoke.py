@@ -193,3 +193,14 @@ def test_bench_kvstore_cluster_prints_one_table_with_every_system(
     rows = table_rows(capsys.readouterr().out)
     assert set(rows) >= {"30-layer get latency p50 (ms)", "put MB/s, 2 clients", "get MB/s, 2 clients"}
     assert all(len(cells) == 5 for cells in rows.values())
+
+
+def test_bench_multihost_table_has_medians_ranges_and_ratios() -> None:
+    from benchmarks.bench_multihost import table
+
+    rows = table_rows(table({"namespaces": [[10.0, 20.0, 5.0], [12.0, 30.0, 6.0], [14.0, 40.0, 7.0]],
+                             "loopback": [[10.0, 20.0, 5.0]] * 3},
+                            {"namespaces": (0, 8), "loopback": (8, 8)}))
+    assert rows["TTFT p50 (ms)"] == ["12.0 (10-14)", "10.0 (10-10)", "1.20x"]
+    assert rows["ITL p99 (ms)"][2] == "1.20x"
+    assert rows["KV objects put via shared memory"][:2] == ["0 of 8", "8 of 8"]

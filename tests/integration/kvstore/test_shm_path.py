@@ -281,3 +281,17 @@ def test_a_full_directory_falls_back_to_flight(store: KVStoreService,
         obj = c.get([key(0)])[0]
         assert obj is not None and torch.equal(buffer_to_tensor(obj.data, t.dtype, t.shape), t)
     assert files(store) == []
+
+
+def test_shm_counters_count_only_payloads_that_went_as_files(store: KVStoreService) -> None:
+    def count(name: str) -> float | None:
+        return store.server.metrics.registry.get_sample_value(f"pdserve_kvstore_shm_{name}_objects_total")
+
+    with KVStoreClient(store.location) as c:
+        c.put([item(i, torch.randn(8, 2, 4)) for i in range(2)])
+        assert c.get([key(0), key(1), "m@1@0@ab@float"])[2] is None
+    assert (count("put"), count("get")) == (2, 2)  # a key not found moved nothing
+    with KVStoreClient(store.location, use_shm=False) as flight:
+        flight.put([item(5, torch.randn(8, 2, 4))])
+        assert flight.get([key(5)])[0] is not None and flight.get([key(0)])[0] is not None
+    assert (count("put"), count("get")) == (2, 2)
