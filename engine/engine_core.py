@@ -25,7 +25,7 @@ from engine.core.outputs import (
 )
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.runner import GrammarBitmask
+from engine.structured.bitmask import GrammarBitmask
 from engine.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -98,8 +98,12 @@ class EngineCore:
             return EngineCoreOutputs()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        bitmask = self._grammar_bitmask(scheduler_output.structured_output_request_ids)
-        runner_output = self.runner.execute_model(scheduler_output, bitmask)
+        grammar = self._grammar_bitmask(scheduler_output.structured_output_request_ids)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output, grammar)
+        finally:
+            if grammar is not None:
+                grammar.settle()  # the fill thread is done with the matchers before they advance
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if scheduler_output.num_scheduled_tokens:
             self.step_seconds.observe(time.perf_counter() - start)
@@ -108,7 +112,9 @@ class EngineCore:
         return outputs
 
     def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
-        """The bitmask rows of this step's constrained samplers (one pass over their matchers)."""
+        """The bitmask rows of this step's constrained samplers (one pass over their matchers),
+        filled in the manager's fill thread while the model's forward runs; on CPU with the
+        additive mask the runner adds to the logits."""
         if not req_ids:
             return None
         matchers = []
@@ -116,7 +122,8 @@ class EngineCore:
             grammar = self.scheduler.requests[req_id].grammar
             assert grammar is not None and grammar.matcher is not None
             matchers.append(grammar.matcher)
-        return GrammarBitmask(req_ids, self.structured.bitmask(matchers))
+        additive = self.runner.device.type == "cpu"
+        return GrammarBitmask(req_ids, self.structured.fill_async(matchers, additive))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

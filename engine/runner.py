@@ -29,7 +29,7 @@ from engine.sample.metadata import SamplingMetadata
 from engine.sample.prompt_logprobs import prompt_logprobs
 from engine.sample.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.structured.bitmask import apply_token_bitmask
+from engine.structured.bitmask import GrammarBitmask, apply_additive_mask, apply_token_bitmask
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorWorker
@@ -79,14 +79,6 @@ class RequestState:
         self.token_buf[self.num_tokens] = token_id
         self.num_tokens += 1
         self.output_token_ids.append(token_id)
-
-
-@dataclass
-class GrammarBitmask:
-    """One step's grammar bitmask: row i for request req_ids[i] (engine/structured/bitmask.py)."""
-
-    req_ids: list[str]
-    bitmask: torch.Tensor  # [len(req_ids), ceil(vocab / 32)] int32
 
 
 @dataclass
@@ -336,7 +328,12 @@ class ModelRunner:
         pairs = [(i, rows[r]) for i, r in enumerate(grammar.req_ids) if r in rows]
         if len(pairs) != len(grammar.req_ids):
             raise RuntimeError(f"grammar rows {grammar.req_ids} do not all sample this step")
-        apply_token_bitmask(logits, grammar.bitmask, [row for _, row in pairs])
+        mask = grammar.result()
+        logit_rows = [row for _, row in pairs]
+        if mask.additive is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+            apply_additive_mask(logits, mask.additive, logit_rows)
+        else:
+            apply_token_bitmask(logits, mask.bitmask, logit_rows)
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(

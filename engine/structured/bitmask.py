@@ -1,17 +1,78 @@
 """Applies a grammar's token bitmask to logits: tokens the grammar forbids get -inf.
 
 The bitmask is xgrammar's and llguidance's layout: int32 words, bit `t % 32` of word `t // 32`
-set where token `t` is allowed. On CPU the engine uses xgrammar's C++ kernel (a word at a time,
-no temporaries); elsewhere, and as the reference the kernel is tested against, a PyTorch masked
-fill; `apply_token_bitmask_reference` spells the rule out token by token.
+set where token `t` is allowed. On CPU the engine's step turns the bitmask into an additive mask
+(0 where allowed, -inf where not) in its grammar thread while the model runs, and then only adds
+it to the logits (`apply_additive_mask`: one vectorised add, ~20x cheaper than a masked fill of
+16 x 49,152 logits on this CPU). `apply_token_bitmask` masks from the bitmask itself: xgrammar's
+C++ kernel on CPU (a word at a time, no temporaries), elsewhere, and as the reference the kernel
+is tested against, a PyTorch masked fill; `apply_token_bitmask_reference` spells the rule out
+token by token.
 """
 
 from __future__ import annotations
 
+import sys
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # xgrammar's CPU kernel
+
+
+@dataclass
+class StepMask:
+    """One step's grammar rows: the bitmask, and on CPU the same as an additive mask."""
+
+    bitmask: torch.Tensor  # [rows, ceil(vocab / 32)] int32
+    additive: torch.Tensor | None = None  # [rows, vocab] float32: 0 allowed, -inf forbidden
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's grammar rows, row i for request req_ids[i], being filled in the manager's
+    fill thread while the model runs."""
+
+    req_ids: list[str]
+    pending: Future[StepMask]
+
+    def result(self) -> StepMask:
+        return self.pending.result()
+
+    def settle(self) -> None:
+        """Waits until the fill is over (done, failed or cancelled), raising nothing."""
+        wait([self.pending])
+
+
+def additive_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, words] int32 (CPU) -> [rows, vocab_size] float32: 0.0 where allowed, -inf where
+    not; columns past the bitmask's width are forbidden. Adding it to float32 logits gives what
+    masking them does (x + 0.0 == x; a -0.0 logit becomes +0.0, equal in every comparison and
+    in softmax)."""
+    rows, words = bitmask.shape
+    if sys.byteorder == "little":  # bit t % 32 of word t // 32 is bit t % 8 of byte t // 8
+        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+    else:
+        bits = allowed_mask(bitmask, words * 32).numpy().view(np.uint8)
+    out = np.full((rows, vocab_size), -np.inf, dtype=np.float32)
+    width = min(vocab_size, words * 32)
+    with np.errstate(divide="ignore"):
+        np.log(bits[:, :width], out=out[:, :width], dtype=np.float32)  # log 1 = 0, log 0 = -inf
+    return torch.from_numpy(out)
+
+
+def apply_additive_mask(logits: torch.Tensor, additive: torch.Tensor, rows: list[int]) -> None:
+    """In place: row `rows[i]` of float32 logits [n, vocab] += additive[i]."""
+    if not rows:
+        return
+    k = len(rows)
+    if rows == list(range(k)):
+        logits[:k].add_(additive)
+    else:
+        logits.index_add_(0, torch.tensor(rows, dtype=torch.int64), additive)
 
 
 def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ step's token bitmask filled for every constrained row in one pass (vLLM's manage
     ...                                    # the request waits (WAITING_FOR_FSM) until state.ready
     error = state.finish(prior_outputs)    # the matcher, advanced over outputs it continues from
     bitmask = manager.bitmask([state.matcher, ...])  # [rows, ceil(vocab / 32)] int32, 1 = allowed
+    future = manager.fill_async([state.matcher, ...], additive=True)  # the same, while the model runs
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.structured.backends import (
     XgrammarBackend,
     XgrammarMatcher,
 )
+from engine.structured.bitmask import StepMask, additive_mask
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.select import choose_backend
 
@@ -85,6 +87,8 @@ class StructuredOutputManager:
         self.cache_size = cache_size
         self.stats = CompileStats()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
+        # A step's fill runs here, never behind a compile that may take a second.
+        self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
         self._lock = threading.Lock()
         self._backends: dict[str, Backend] = {}
         self._tokenizer: Any = None
@@ -97,6 +101,7 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)
 
     # --- compile side (grammar threads) ----------------------------------------------------
     def _make_matcher(self, params: StructuredOutputsParams) -> Matcher:
@@ -152,6 +157,16 @@ class StructuredOutputManager:
             return backend
 
     # --- step side -------------------------------------------------------------------------
+    def fill_async(self, matchers: list[Matcher], additive: bool) -> Future[StepMask]:
+        """`bitmask(matchers)` in the fill thread, so it overlaps the model's forward; with
+        `additive`, also the additive mask of the CPU apply. The caller must leave the matchers
+        alone until the future is done (the engine waits for it before it advances them)."""
+        return self._fill_pool.submit(self._fill, matchers, additive)
+
+    def _fill(self, matchers: list[Matcher], additive: bool) -> StepMask:
+        bitmask = self.bitmask(matchers)
+        return StepMask(bitmask, additive_mask(bitmask, self.vocab_size) if additive else None)
+
     def bitmask(self, matchers: list[Matcher]) -> torch.Tensor:
         """[len(matchers), ceil(vocab / 32)] int32: bit t % 32 of word t // 32 is set where token
         t is allowed next. xgrammar rows are filled together (its batch matcher's threads)."""

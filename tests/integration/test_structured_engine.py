@@ -214,6 +214,48 @@ def test_constrained_and_free_requests_in_one_batch_leave_each_other_alone(llm: 
         assert out.outputs[0].token_ids[-1] == EOS
 
 
+def test_the_fill_overlaps_the_forward_and_both_apply_paths_give_the_same_tokens(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each step's bitmask is filled in the manager's fill thread, not the step thread, and
+    finished before the matchers advance; the CPU additive mask and the bitmask kernel path
+    give the same tokens, greedy and seeded."""
+    manager = llm.engine_core.structured
+    threads: set[str] = set()
+    fill = manager._fill
+
+    def recording(matchers: list[Any], additive: bool) -> Any:
+        threads.add(threading.current_thread().name)
+        return fill(matchers, additive)
+
+    monkeypatch.setattr(manager, "_fill", recording)
+    p = prompts(4, seed=23)
+    params = [constrained(s, temperature=t, seed=5) for s in SPECS.values() for t in (0.0, 1.0)]
+    p = [p[i % 4] for i in range(len(params))]
+    additive = [o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)]
+    assert threads and all(t.startswith("grammar-fill") for t in threads)
+    monkeypatch.setattr(manager, "_fill", lambda matchers, _additive: fill(matchers, False))
+    kernel = [o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)]
+    assert additive == kernel
+
+
+def test_a_fill_that_fails_fails_the_step_and_the_next_step_runs(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    manager = llm.engine_core.structured
+    fill = manager._fill
+
+    def broken(matchers: list[Any], additive: bool) -> Any:
+        raise RuntimeError("fill broke")
+
+    monkeypatch.setattr(manager, "_fill", broken)
+    with pytest.raises(RuntimeError, match="fill broke"):
+        llm.generate(prompts(1, seed=3), [constrained(SPECS["regex"])], use_tqdm=False)
+    monkeypatch.setattr(manager, "_fill", fill)
+    core = llm.engine_core
+    core.abort_requests(list(core.scheduler.requests))
+    out = llm.generate(prompts(1, seed=3), [constrained(SPECS["regex"])], use_tqdm=False)
+    assert valid(SPECS["regex"], out[0].outputs[0].text)
+
+
 def test_a_grammar_that_ends_stops_the_request_even_under_ignore_eos(llm: LLM) -> None:
     (out,) = llm.generate(prompts(1), constrained(SPECS["choice"], ignore_eos=True,
                                                   max_tokens=30), use_tqdm=False)

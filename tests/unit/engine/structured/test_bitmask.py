@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.structured.bitmask import allowed_mask, apply_token_bitmask, apply_token_bitmask_reference
+from engine.structured.bitmask import (
+    additive_mask,
+    allowed_mask,
+    apply_additive_mask,
+    apply_token_bitmask,
+    apply_token_bitmask_reference,
+)
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -79,3 +85,38 @@ def test_no_rows_leaves_the_logits_alone() -> None:
     before = logits.clone()
     apply_token_bitmask(logits, torch.zeros(0, 2, dtype=torch.int32), [])
     assert torch.equal(logits, before)
+
+
+@pytest.mark.parametrize(("rows", "vocab", "words", "subset"), [
+    (1, 32, 1, [0]), (3, 100, 4, [0, 1, 2]), (5, 1000, 32, [4, 1]), (4, 49152, 1536, [2, 0, 3]),
+    (16, 49152, 1536, list(range(16))), (3, 100, 2, [1, 2, 0]), (6, 65, 3, []),
+])
+def test_the_additive_mask_masks_as_the_bitmask_does(rows: int, vocab: int, words: int,
+                                                     subset: list[int]) -> None:
+    """The CPU step's path (additive mask made in the fill thread, added to the logits) equals
+    the masked fill, xgrammar's kernel and the bit-by-bit reference, bit for bit; columns past
+    the bitmask (words * 32 < vocab) are forbidden."""
+    logits, full = random_case(rows, vocab, words, seed=vocab + rows + words)
+    logits[0, :7] = torch.tensor([0.0, -0.0, 1e30, -1e30, float("-inf"), 1e-45, -1e-45])
+    ours = logits.clone()
+    additive = additive_mask(full[subset], vocab)
+    assert additive.shape == (len(subset), vocab) and additive.dtype == torch.float32
+    apply_additive_mask(ours, additive, subset)
+    masked = logits.clone()
+    apply_token_bitmask(masked, full[subset], subset)
+    assert torch.equal(ours, masked)
+    if vocab <= 1000:
+        ref = logits.clone()
+        apply_token_bitmask_reference(ref, full[subset], subset)
+        assert torch.equal(ours, ref)
+    untouched = [r for r in range(rows) if r not in subset]
+    assert torch.equal(ours[untouched], logits[untouched])
+
+
+def test_the_additive_mask_is_zero_where_allowed_and_neg_inf_elsewhere() -> None:
+    bitmask = torch.zeros(1, 3, dtype=torch.int32)
+    bitmask[0, 0] = 1 << 5
+    bitmask[0, 1] = -(2**31)  # token 63
+    additive = additive_mask(bitmask, 100)  # the bitmask covers 96
+    assert (additive[0] == 0).nonzero().flatten().tolist() == [5, 63]
+    assert torch.isneginf(additive[0]).sum() == 98
