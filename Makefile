@@ -4,6 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.pdserve-installed
 export OMP_NUM_THREADS ?= 2
+# Test processes of `make test`: each takes whole modules (their fixtures stay shared); two keep
+# a 2-core machine busy while the other waits on a worker's start-up or a fault's timer.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
 
@@ -46,10 +50,10 @@ demo: setup
 		--prompt "Explain in two sentences what a KV cache is in an LLM server."
 
 test: setup peers
-	$(BIN)/python -m pytest -q -ra
+	$(PYTEST)
 
 test-all: setup peers
-	PDSERVE_RUN_SLOW=1 $(BIN)/python -m pytest -q -ra
+	PDSERVE_RUN_SLOW=1 $(PYTEST)
 
 # The docker compose stack for real (tests/compose): installs and starts a Docker engine with the
 # compose v2 plugin when missing, builds the images (no image registry needed), runs the tests.

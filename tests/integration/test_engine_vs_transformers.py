@@ -100,7 +100,9 @@ def chat_prompts(model_dir: Path) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("mode", ["batch", "chunked", "preempt"])
+# The default run: the default model in a batch (its chunked, preempted, prefix and n=2 runs
+# with --runslow, ~65 s); every mode of this file runs on the tiny models by default.
+@pytest.mark.parametrize("mode", ["batch"])
 def test_default_model_matches_transformers(mode: str, default_model_dir: Path,
                                             hf_greedy: Callable[..., list[list[int]]]) -> None:
     prompts = chat_prompts(default_model_dir)
@@ -110,7 +112,7 @@ def test_default_model_matches_transformers(mode: str, default_model_dir: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["prefix", "n2"])
+@pytest.mark.parametrize("mode", ["chunked", "preempt", "prefix", "n2"])
 def test_default_model_matches_transformers_slow_modes(
         mode: str, default_model_dir: Path, hf_greedy: Callable[..., list[list[int]]]) -> None:
     test_default_model_matches_transformers(mode, default_model_dir, hf_greedy)

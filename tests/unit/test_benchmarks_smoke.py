@@ -101,6 +101,7 @@ def test_check_memory_fails_when_the_engine_exceeds_the_budget(
     assert peak_gib > 0.05  # a Python process with torch loaded
 
 
+@pytest.mark.slow  # ~13 s: two store processes and a default-size transfer each way
 def test_bench_connector_prints_both_transfer_modes_open_and_secured(
     tiny_model: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -161,6 +162,7 @@ def tiny_model_json_vocab(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow  # ~17 s: an engine core process and the grammar backend's start-up
 def test_bench_structured_compares_constrained_with_unconstrained(
     tiny_model_json_vocab: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

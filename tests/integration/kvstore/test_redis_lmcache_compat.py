@@ -70,7 +70,8 @@ def run_peer(command: str, url: str, key: str, path: Path, dtype_name: str) -> d
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float16"])
+# One dtype each way by default (each case starts LMCache, ~5 s); the others with --runslow.
+@pytest.mark.parametrize("dtype_name", ["bfloat16", pytest.param("float16", marks=pytest.mark.slow)])
 def test_lmcache_reads_what_our_backend_wrote(redis_url: str, tmp_path: Path, dtype_name: str) -> None:
     _, key_dtype = DTYPES[dtype_name]
     key = f"pdserve-compat@1@0@{0x5EED0001:x}@{key_dtype}"
@@ -87,7 +88,7 @@ def test_lmcache_reads_what_our_backend_wrote(redis_url: str, tmp_path: Path, dt
     assert torch.equal(got, chunk)
 
 
-@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+@pytest.mark.parametrize("dtype_name", ["bfloat16", pytest.param("float32", marks=pytest.mark.slow)])
 def test_our_backend_reads_what_lmcache_wrote(redis_url: str, tmp_path: Path, dtype_name: str) -> None:
     code, key_dtype = DTYPES[dtype_name]
     key = f"pdserve-compat@1@0@{0x5EED0002:x}@{key_dtype}"

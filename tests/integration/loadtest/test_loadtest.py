@@ -83,6 +83,7 @@ def test_a_bounded_run_reports_every_request(served: PdserveUp, tmp_path: Path, 
     assert "TTFT p50 / p90 / p99" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # ~31 s (a system of its own); test_summary_counts_failures_and_goodput: the sums
 def test_refused_requests_are_counted_as_failures(tiny_model_dir: Callable[[str], Path],
                                                   tmp_path: Path) -> None:
     """A router that admits one request at a time (max_inflight 1) under 6 users refuses most

@@ -69,7 +69,10 @@ def _check_credentials(up_pid: int, secrets_dir: Path, api_key: str, store_port:
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.parametrize("colocated", [False, True], ids=["disaggregated", "colocated"])
+# The colocated case (~24 s) with --runslow: colocated workers are served through the router by
+# test_router.py and test_split_sampling.py in the default run.
+@pytest.mark.parametrize("colocated", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["disaggregated", "colocated"])
 def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[str], Path],
                                                       colocated: bool, tmp_path: Path) -> None:
     from openai import OpenAI
