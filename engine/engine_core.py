@@ -66,6 +66,7 @@ class EngineCore:
                                                config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.step_seconds = Histogram.with_bounds(STEP_SECONDS_BUCKETS)  # steps that computed tokens
+        self.fill_in_thread = device.type != "cpu"  # grammar bitmasks (see _grammar_bitmask)
         # Grammars compile in the manager's threads; its tokenizer loads with the first one.
         self.structured = StructuredOutputManager(
             str(resolve_model_path(config.tokenizer) if config.tokenizer else path), model.vocab_size,
@@ -112,9 +113,12 @@ class EngineCore:
         return outputs
 
     def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
-        """The bitmask rows of this step's constrained samplers (one pass over their matchers),
-        filled in the manager's fill thread while the model's forward runs; on CPU with the
-        additive mask the runner adds to the logits."""
+        """The bitmask rows of this step's constrained samplers (one pass over their matchers).
+        On a GPU they are filled in the manager's fill thread while the forward runs on the
+        device. On CPU they are filled here, before the forward, with the additive mask the
+        runner adds to the logits: the forward's threads use every core, and a fill thread
+        beside them stalls each of their parallel regions (measured: 16 JSON-schema rows cost
+        the step 15.5 ms overlapped, against ~6.5 ms of fill done first)."""
         if not req_ids:
             return None
         matchers = []
@@ -122,8 +126,9 @@ class EngineCore:
             grammar = self.scheduler.requests[req_id].grammar
             assert grammar is not None and grammar.matcher is not None
             matchers.append(grammar.matcher)
-        additive = self.runner.device.type == "cpu"
-        return GrammarBitmask(req_ids, self.structured.fill_async(matchers, additive))
+        on_cpu = self.runner.device.type == "cpu"
+        return GrammarBitmask(req_ids, self.structured.fill(matchers, additive=on_cpu,
+                                                             in_thread=self.fill_in_thread))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

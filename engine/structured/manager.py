@@ -6,7 +6,7 @@ step's token bitmask filled for every constrained row in one pass (vLLM's manage
     ...                                    # the request waits (WAITING_FOR_FSM) until state.ready
     error = state.finish(prior_outputs)    # the matcher, advanced over outputs it continues from
     bitmask = manager.bitmask([state.matcher, ...])  # [rows, ceil(vocab / 32)] int32, 1 = allowed
-    future = manager.fill_async([state.matcher, ...], additive=True)  # the same, while the model runs
+    future = manager.fill([state.matcher, ...], additive=True, in_thread=True)  # while the model runs
 """
 
 from __future__ import annotations
@@ -157,11 +157,19 @@ class StructuredOutputManager:
             return backend
 
     # --- step side -------------------------------------------------------------------------
-    def fill_async(self, matchers: list[Matcher], additive: bool) -> Future[StepMask]:
-        """`bitmask(matchers)` in the fill thread, so it overlaps the model's forward; with
-        `additive`, also the additive mask of the CPU apply. The caller must leave the matchers
-        alone until the future is done (the engine waits for it before it advances them)."""
-        return self._fill_pool.submit(self._fill, matchers, additive)
+    def fill(self, matchers: list[Matcher], additive: bool, in_thread: bool) -> Future[StepMask]:
+        """`bitmask(matchers)`, with `additive` also the additive mask of the CPU apply. With
+        `in_thread`, in the fill thread, so it overlaps the model's forward (the caller leaves
+        the matchers alone until the future is done); else here, now (a failure is raised by the
+        future's result, as from the thread)."""
+        if in_thread:
+            return self._fill_pool.submit(self._fill, matchers, additive)
+        done: Future[StepMask] = Future()
+        try:
+            done.set_result(self._fill(matchers, additive))
+        except Exception as e:
+            done.set_exception(e)
+        return done
 
     def _fill(self, matchers: list[Matcher], additive: bool) -> StepMask:
         bitmask = self.bitmask(matchers)

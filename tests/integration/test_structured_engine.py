@@ -214,12 +214,13 @@ def test_constrained_and_free_requests_in_one_batch_leave_each_other_alone(llm: 
         assert out.outputs[0].token_ids[-1] == EOS
 
 
-def test_the_fill_overlaps_the_forward_and_both_apply_paths_give_the_same_tokens(
+def test_every_way_of_filling_and_applying_gives_the_same_tokens(
         llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each step's bitmask is filled in the manager's fill thread, not the step thread, and
-    finished before the matchers advance; the CPU additive mask and the bitmask kernel path
-    give the same tokens, greedy and seeded."""
-    manager = llm.engine_core.structured
+    """On CPU the step fills the bitmask itself (with the additive mask it adds to the logits);
+    filled in the fill thread beside the forward (the GPU's way), or applied from the bitmask
+    (the kernel path), the tokens are the same, greedy and seeded."""
+    core = llm.engine_core
+    manager = core.structured
     threads: set[str] = set()
     fill = manager._fill
 
@@ -231,16 +232,26 @@ def test_the_fill_overlaps_the_forward_and_both_apply_paths_give_the_same_tokens
     p = prompts(4, seed=23)
     params = [constrained(s, temperature=t, seed=5) for s in SPECS.values() for t in (0.0, 1.0)]
     p = [p[i % 4] for i in range(len(params))]
-    additive = [o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)]
+
+    def tokens() -> list[list[int]]:
+        return [o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)]
+
+    assert not core.fill_in_thread
+    on_cpu = tokens()
+    assert threads == {threading.current_thread().name}
+    threads.clear()
+    monkeypatch.setattr(core, "fill_in_thread", True)
+    assert tokens() == on_cpu
     assert threads and all(t.startswith("grammar-fill") for t in threads)
     monkeypatch.setattr(manager, "_fill", lambda matchers, _additive: fill(matchers, False))
-    kernel = [o.outputs[0].token_ids for o in llm.generate(p, params, use_tqdm=False)]
-    assert additive == kernel
+    assert tokens() == on_cpu
 
 
+@pytest.mark.parametrize("in_thread", [False, True], ids=["here", "fill-thread"])
 def test_a_fill_that_fails_fails_the_step_and_the_next_step_runs(
-        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+        llm: LLM, monkeypatch: pytest.MonkeyPatch, in_thread: bool) -> None:
     manager = llm.engine_core.structured
+    monkeypatch.setattr(llm.engine_core, "fill_in_thread", in_thread)
     fill = manager._fill
 
     def broken(matchers: list[Any], additive: bool) -> Any:

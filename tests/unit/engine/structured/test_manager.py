@@ -171,10 +171,13 @@ def test_bitmask_rows_allow_what_each_grammar_allows_next(manager: StructuredOut
     assert set(allowed[0].nonzero().flatten().tolist()) == digit_ids
     assert torch.equal(allowed[0], allowed[2])
     assert allowed[1].nonzero().flatten().tolist() == [EOS]  # the grammar ended: only the stop
-    step = manager.fill_async([digits, done, digits], additive=True).result(timeout=WAIT_S)
-    assert torch.equal(step.bitmask, bitmask)  # the step's fill, in the fill thread
-    assert step.additive is not None and torch.equal(step.additive == 0, allowed)
-    assert manager.fill_async([digits], additive=False).result(timeout=WAIT_S).additive is None
+    for in_thread in (True, False):  # the step's fill: in the fill thread (GPU) or here (CPU)
+        step = manager.fill([digits, done, digits], additive=True, in_thread=in_thread)
+        assert torch.equal(step.result(timeout=WAIT_S).bitmask, bitmask)
+        additive = step.result().additive
+        assert additive is not None and torch.equal(additive == 0, allowed)
+        no_add = manager.fill([digits], additive=False, in_thread=in_thread)
+        assert no_add.result(timeout=WAIT_S).additive is None
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
