@@ -60,6 +60,15 @@ class Proc:
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
+    def freeze(self, timeout_s: float = 5.0) -> None:
+        """SIGSTOP, returning once every thread of the process is stopped: the signal stops a
+        busy thread on another core a moment later, and a call sent in that moment is served."""
+        os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not all_threads_stopped(self.pid):
+            assert time.monotonic() < deadline, f"pid {self.pid} did not stop"
+            time.sleep(0.005)
+
     def core_pid(self) -> int:
         """A worker's engine-core child process (multiprocessing's spawned child)."""
         return core_of(self.pid)
@@ -94,3 +103,16 @@ def core_of(worker_pid: int) -> int:
             continue
     assert len(cores) == 1, cores
     return int(cores[0].pid)
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Every thread of `pid` in state T (stopped), from /proc/<pid>/task/*/stat."""
+    tasks = Path(f"/proc/{pid}/task")
+    for stat in tasks.glob("*/stat"):
+        try:
+            state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # a thread that just ended
+        if state not in ("T", "t"):
+            return False
+    return True

@@ -150,7 +150,7 @@ def test_the_client_breaker_fails_fast_after_a_timeout_and_recovers(store: list[
     client = KVStoreClient(f"grpc://{store[-1].target}", timeout_s=1.0, breaker_s=2.0, use_shm=False)
     try:
         assert client.lookup(["m@1@0@7b@float@0"]) == 0
-        store[-1].signal(signal.SIGSTOP)
+        store[-1].freeze()
         start = time.monotonic()
         with pytest.raises(KVStoreClientError, match="timed out"):
             client.lookup(["m@1@0@7b@float@0"])
