@@ -330,7 +330,7 @@ class ModelRunner:
             raise RuntimeError(f"grammar rows {grammar.req_ids} do not all sample this step")
         mask = grammar.result()
         logit_rows = [row for _, row in pairs]
-        if mask.additive is not None and logits.device.type == "cpu" and logits.dtype == torch.float32:
+        if mask.additive is not None:  # made only for CPU float32 logits (EngineCore)
             apply_additive_mask(logits, mask.additive, logit_rows)
         else:
             apply_token_bitmask(logits, mask.bitmask, logit_rows)
