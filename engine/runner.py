@@ -27,7 +27,7 @@ from engine.core.outputs import (
 from engine.cuda_graphs import DecodeGraphs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.prompt_logprobs import prompt_logprobs
-from engine.sample.sampler import Sampler, SamplerOutput
+from engine.sample.sampler import GreedyFix, Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import GrammarBitmask, apply_additive_mask, apply_token_bitmask
 
@@ -229,9 +229,8 @@ class ModelRunner:
         if batch.sample_req_idx:
             logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_sampled, vocab]
             states = [self.requests[batch.req_ids[i]] for i in batch.sample_req_idx]
-            if grammar is not None:
-                self._apply_grammar(logits, states, grammar)
-            out = self.sampler(logits, self._sampling_metadata(states))
+            greedy_fix = None if grammar is None else self._apply_grammar(logits, states, grammar)
+            out = self.sampler(logits, self._sampling_metadata(states), greedy_fix)
             self._record(batch, states, out, sampled, logprobs)
         any_logprobs = any(lp is not None for lp in logprobs)
         result = ModelRunnerOutput(batch.req_ids, sampled, logprobs if any_logprobs else [])
@@ -322,18 +321,26 @@ class ModelRunner:
 
     # --- sampling ---------------------------------------------------------------------
     def _apply_grammar(self, logits: torch.Tensor, states: list[RequestState],
-                       grammar: GrammarBitmask) -> None:
-        """Masks each constrained row's logits with its bitmask row (before any sampling step)."""
+                       grammar: GrammarBitmask) -> GreedyFix | None:
+        """Masks each filled constrained row's logits with its bitmask row (before any sampling
+        step). Returns the sampler's fix of the greedy rows checked unmasked, if any."""
         rows = {s.req_id: row for row, s in enumerate(states)}
-        pairs = [(i, rows[r]) for i, r in enumerate(grammar.req_ids) if r in rows]
-        if len(pairs) != len(grammar.req_ids):
-            raise RuntimeError(f"grammar rows {grammar.req_ids} do not all sample this step")
-        mask = grammar.result()
-        logit_rows = [row for _, row in pairs]
-        if mask.additive is not None:  # made only for CPU float32 logits (EngineCore)
-            apply_additive_mask(logits, mask.additive, logit_rows)
-        else:
-            apply_token_bitmask(logits, mask.bitmask, logit_rows)
+        missing = [r for r in [*grammar.req_ids, *(grammar.greedy.req_ids if grammar.greedy else [])]
+                   if r not in rows]
+        if missing:
+            raise RuntimeError(f"grammar rows {missing} do not sample this step")
+        if grammar.req_ids:
+            mask = grammar.result()
+            logit_rows = [rows[r] for r in grammar.req_ids]
+            if mask.additive is not None:  # made only on CPU (EngineCore)
+                apply_additive_mask(logits, mask.additive, logit_rows)
+            else:
+                apply_token_bitmask(logits, mask.bitmask, logit_rows)
+        check = grammar.greedy
+        if check is None:
+            return None
+        greedy_rows = [rows[r] for r in check.req_ids]
+        return lambda processed, tokens: check.tokens(processed, tokens, greedy_rows)
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(

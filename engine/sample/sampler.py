@@ -5,7 +5,9 @@
    outputs, and each bad word's last token when the output ends with the rest of it;
    logit_bias (vLLM V1's order: these, then the penalties);
 3. penalties: repetition (prompt + output), frequency and presence (output);
-4. greedy rows: argmax of the penalized logits;
+4. greedy rows: argmax of the penalized logits (then `greedy_fix`, when given: the grammar's
+   check of rows that were not masked before step 1; every edit of steps 2-3 works token by
+   token and keeps -inf at -inf, which that check relies on);
 5. temperature -> min-p -> top-k -> top-p -> exponential race `argmax(probs / q)`,
    `q ~ Exp(1)`. A seeded row draws its `q` from a generator seeded with
    `position_seed(seed, output_position)`, so its draws depend on nothing but the seed and the
@@ -16,6 +18,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +43,10 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
+# (processed logits [num_rows, vocab], their argmax [num_rows]) -> the greedy tokens to use
+GreedyFix = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 class Sampler:
     """Stateless apart from the generator used by unseeded rows (seeded by the engine seed)."""
 
@@ -48,10 +55,13 @@ class Sampler:
         self.generator.manual_seed(seed)
         self._seeded = torch.Generator(device=device)  # re-seeded per seeded row and step
 
-    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """logits: [num_rows, vocab] float32 (not modified). Returns one token per row."""
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
+                 greedy_fix: GreedyFix | None = None) -> SamplerOutput:
+        """logits: [num_rows, vocab] float32 (not modified). Returns one token per row.
+        `greedy_fix` may replace greedy rows' tokens (it sees the logits their argmax saw)."""
         if not meta.needs_full_pipeline:
-            return SamplerOutput(logits.argmax(dim=-1), None)
+            tokens = logits.argmax(dim=-1)
+            return SamplerOutput(tokens if greedy_fix is None else greedy_fix(logits, tokens), None)
         logits = logits.to(torch.float32).clone()
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
@@ -61,12 +71,15 @@ class Sampler:
         logits = apply_logit_bias(logits, meta.logit_bias)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
-        sampled = self._sample(logits, meta)
+        sampled = self._sample(logits, meta, greedy_fix)
         lp = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled, meta)
         return SamplerOutput(sampled, lp)
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata,
+                greedy_fix: GreedyFix | None) -> torch.Tensor:
         greedy_tokens = None if meta.all_random else logits.argmax(dim=-1)
+        if greedy_fix is not None and greedy_tokens is not None:
+            greedy_tokens = greedy_fix(logits, greedy_tokens)
         if meta.all_greedy:
             assert greedy_tokens is not None
             return greedy_tokens

@@ -1,7 +1,8 @@
 """The two grammar backends behind one interface: compile a spec once, make a matcher per request.
 
-A matcher's `accept_tokens` / `is_terminated` are plain Python (the scheduler calls them); only
-`fill_bitmask` touches a tensor (the manager calls it, between scheduling and the model step).
+A matcher's `accept_tokens` / `is_terminated` are plain Python (the scheduler calls them), as is
+xgrammar's `allows` (the step's check of a greedy row's unmasked choice); only the bitmask fill
+touches a tensor (the manager calls it, between scheduling and sampling).
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ class XgrammarMatcher:
 
     def is_terminated(self) -> bool:
         return bool(self.inner.is_terminated())
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows `token` next: its bitmask bit (xgrammar's mask is the set
+        of tokens its matcher accepts), the matcher left where it was. Accepts the token and
+        rolls it back: ~1-3 us, against ~0.35 ms for a bitmask row of 49,152 tokens.
+        (llguidance has no such check: its mask holds only the canonical tokens of text the
+        grammar forces, where its byte-level validation also accepts other splits.)"""
+        inner = self.inner
+        if inner.is_terminated() or not inner.accept_token(token):
+            return False
+        inner.rollback(1)
+        return True
 
 
 class GuidanceMatcher:

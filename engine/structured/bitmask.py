@@ -8,16 +8,30 @@ logits on this CPU). `apply_token_bitmask` masks from the bitmask itself: xgramm
 C++ kernel on CPU (a word at a time, no temporaries), elsewhere, and as the reference the kernel
 is tested against, a PyTorch masked fill; `apply_token_bitmask_reference` spells the rule out
 token by token.
+
+A greedy row that does not return logprobs (xgrammar's) needs no mask at all when the grammar allows its
+unmasked choice (`GreedyCheck`): its token is the argmax of its processed logits, and every
+edit the sampler makes before that argmax works token by token and leaves -inf at -inf, so
+masking first or last gives the same logits on the allowed tokens and -inf elsewhere; when the
+first maximum is an allowed token it stays the first maximum once the others are -inf. Only
+the rows whose choice the grammar refuses get a mask (filled then, in one pass) and a new
+argmax. On CPU that skips most of the fill (~0.35 ms a row of 49,152 tokens; the check is a
+matcher's accept and roll back, ~1-3 us).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from engine.structured.backends import Matcher, XgrammarMatcher
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # xgrammar's CPU kernel
@@ -32,19 +46,67 @@ class StepMask:
 
 
 @dataclass
-class GrammarBitmask:
-    """One step's grammar rows, row i for request req_ids[i]: filled already (CPU), or being
-    filled in the manager's fill thread while the model runs (GPU)."""
+class GreedyCounts:
+    """Greedy rows checked without a mask since start-up, and those the grammar refused."""
+
+    checked: int = 0
+    refused: int = 0
+
+
+@dataclass
+class GreedyCheck:
+    """A step's greedy rows without logprobs, masked only where the grammar refuses their
+    unmasked choice (see the module's docstring). Row i is request req_ids[i]."""
 
     req_ids: list[str]
-    pending: Future[StepMask]
+    matchers: list[XgrammarMatcher]  # (xgrammar's: they can tell a token's bit without a mask)
+    fill: Callable[[list[Matcher]], StepMask]  # the manager's fill, here and now
+    counts: GreedyCounts = field(default_factory=GreedyCounts)
+
+    def tokens(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """The greedy tokens as if every row had been masked first.
+
+        logits: [n, vocab], the processed logits `tokens` ([n] int64, each row's argmax) were
+        taken from (not modified); rows[i]: the row of req_ids[i]. Returns `tokens`, or a copy
+        with the refused rows' tokens replaced by the argmax over what their grammar allows."""
+        picked = tokens[rows].tolist()
+        refused = [i for i, (m, t) in enumerate(zip(self.matchers, picked, strict=True))
+                   if not m.allows(t)]
+        self.counts.checked += len(rows)
+        self.counts.refused += len(refused)
+        if not refused:
+            return tokens
+        mask = self.fill([self.matchers[i] for i in refused])  # one pass
+        index = torch.tensor([rows[i] for i in refused], dtype=torch.int64, device=logits.device)
+        masked = logits.index_select(0, index).to(torch.float32)  # [len(refused), vocab], a copy
+        own = list(range(len(refused)))
+        if mask.additive is not None:
+            apply_additive_mask(masked, mask.additive.to(masked.device), own)
+        else:
+            apply_token_bitmask(masked, mask.bitmask, own)
+        tokens = tokens.clone()
+        tokens[index] = masked.argmax(dim=-1)
+        return tokens
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's grammar rows, row i for request req_ids[i]: filled already (CPU), or being
+    filled in the manager's fill thread while the model runs (GPU); and the greedy rows that
+    are masked only when needed (`greedy`)."""
+
+    req_ids: list[str]
+    pending: Future[StepMask] | None
+    greedy: GreedyCheck | None = None
 
     def result(self) -> StepMask:
+        assert self.pending is not None
         return self.pending.result()
 
     def settle(self) -> None:
         """Waits until the fill is over (done, failed or cancelled), raising nothing."""
-        wait([self.pending])
+        if self.pending is not None:
+            wait([self.pending])
 
 
 def additive_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ step's token bitmask filled for every constrained row in one pass (vLLM's manage
     error = state.finish(prior_outputs)    # the matcher, advanced over outputs it continues from
     bitmask = manager.bitmask([state.matcher, ...])  # [rows, ceil(vocab / 32)] int32, 1 = allowed
     future = manager.fill([state.matcher, ...], additive=True, in_thread=True)  # while the model runs
+    check = manager.greedy_check([req_id, ...], [state.matcher, ...], additive=True)  # masks on demand
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from engine.structured.backends import (
     XgrammarBackend,
     XgrammarMatcher,
 )
-from engine.structured.bitmask import StepMask, additive_mask
+from engine.structured.bitmask import GreedyCheck, GreedyCounts, StepMask, additive_mask
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.select import choose_backend
 
@@ -86,6 +87,7 @@ class StructuredOutputManager:
         self.preferred = backend
         self.cache_size = cache_size
         self.stats = CompileStats()
+        self.greedy_counts = GreedyCounts()  # greedy rows checked before any mask (GreedyCheck)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         # A step's fill runs here, never behind a compile that may take a second.
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
@@ -170,6 +172,13 @@ class StructuredOutputManager:
         except Exception as e:
             done.set_exception(e)
         return done
+
+    def greedy_check(self, req_ids: list[str], matchers: list[XgrammarMatcher],
+                     additive: bool) -> GreedyCheck:
+        """Greedy rows masked only when their grammar refuses their unmasked choice; a refused
+        row's mask is filled here, on the step's thread, when the sampler asks."""
+        return GreedyCheck(req_ids, matchers, lambda refused: self._fill(refused, additive),
+                           self.greedy_counts)
 
     def _fill(self, matchers: list[Matcher], additive: bool) -> StepMask:
         bitmask = self.bitmask(matchers)

@@ -217,9 +217,12 @@ def test_constrained_and_free_requests_in_one_batch_leave_each_other_alone(llm: 
 def test_every_way_of_filling_and_applying_gives_the_same_tokens(
         llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU the step fills the bitmask itself (with the additive mask it adds to the logits);
-    filled in the fill thread beside the forward (the GPU's way), or applied from the bitmask
-    (the kernel path), the tokens are the same, greedy and seeded."""
+    filled in the fill thread beside the forward (the GPU's way), applied from the bitmask
+    (the kernel path), or with greedy rows masked only when needed (CPU's default), the tokens
+    are the same, greedy and seeded."""
     core = llm.engine_core
+    assert core.greedy_unmasked
+    monkeypatch.setattr(core, "greedy_unmasked", False)  # every row filled first
     manager = core.structured
     threads: set[str] = set()
     fill = manager._fill
@@ -245,6 +248,12 @@ def test_every_way_of_filling_and_applying_gives_the_same_tokens(
     assert threads and all(t.startswith("grammar-fill") for t in threads)
     monkeypatch.setattr(manager, "_fill", lambda matchers, _additive: fill(matchers, False))
     assert tokens() == on_cpu
+    monkeypatch.setattr(manager, "_fill", fill)
+    monkeypatch.setattr(core, "fill_in_thread", False)
+    monkeypatch.setattr(core, "greedy_unmasked", True)
+    checked = manager.greedy_counts.checked
+    assert tokens() == on_cpu
+    assert manager.greedy_counts.checked > checked
 
 
 @pytest.mark.parametrize("in_thread", [False, True], ids=["here", "fill-thread"])

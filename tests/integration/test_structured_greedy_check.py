@@ -1,0 +1,99 @@
+"""Greedy constrained rows checked before any mask (the CPU engine's default, GreedyCheck): the
+same tokens, logprobs, finish reasons and errors as masking every row first, for every sampling
+parameter a greedy row can carry, beside rows that are always masked (seeded, logprobs) in one
+batch (llguidance's rows are always masked first); and both ways of a check (the grammar allows the unmasked
+choice: no mask; it refuses it: that row alone is filled) really happen."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams as SOP
+from tests.integration.test_structured_engine import SPECS, prompts, valid
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
+    engine = LLM(model=str(tiny_model_dir("llama")), num_threads=1)
+    yield engine
+    engine.shutdown()
+
+
+def greedy_and_other_rows(llm: LLM) -> list[SamplingParams]:
+    tok = llm.tokenizer
+    a, b, c, one = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "c", "1"))
+    return [
+        # checked unmasked: greedy, no logprobs
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=1.0,
+                       presence_penalty=1.5),
+        SamplingParams(temperature=0.0, logit_bias={a: 30.0, one: 25.0, EOS: 20.0, b: -100.0}),
+        SamplingParams(temperature=0.0, allowed_token_ids=[a, b, c, one, EOS, 11, 500, 4000]),
+        SamplingParams(temperature=0.0, bad_words_token_ids=[[a]], logit_bias={a: 30.0, c: 20.0}),
+        SamplingParams(temperature=0.0, min_tokens=3, logit_bias={EOS: 50.0}),
+        # always masked first
+        SamplingParams(temperature=0.0, logprobs=2),
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.8, seed=4, top_k=5, logprobs=1),
+    ]
+
+
+def run(llm: LLM, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[Any]:
+    outs = llm.generate(prompt_ids, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, str(o.outputs[0].stop_reason),
+             [{t: lp.logprob for t, lp in e.items()} for e in (o.outputs[0].logprobs or [])])
+            for o in outs]
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_checked_greedy_rows_equal_rows_masked_first(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                                                     backend: str) -> None:
+    core = llm.engine_core
+    counts = core.structured.greedy_counts
+    kinds = greedy_and_other_rows(llm)
+    specs = [replace(s, backend=backend) for s in SPECS.values()]
+    params = [replace(k, max_tokens=40, structured_outputs=s) for s in specs for k in kinds]
+    p = prompts(len(params), seed=29)
+    assert core.greedy_unmasked  # the CPU engine's default
+    checked, refused = counts.checked, counts.refused
+    unmasked = run(llm, p, params)
+    checked, refused = counts.checked - checked, counts.refused - refused
+    if backend == "xgrammar":
+        assert checked > 0 and 0 < refused < checked  # both ways of the check ran
+    else:
+        assert checked == 0  # llguidance rows are always masked first (see XgrammarMatcher.allows)
+    monkeypatch.setattr(core, "greedy_unmasked", False)
+    before = counts.checked
+    masked = run(llm, p, params)
+    assert counts.checked == before  # every row was masked first this time
+    for i, (got, want) in enumerate(zip(unmasked, masked, strict=True)):
+        assert got == want, (params[i].structured_outputs, params[i])
+    ended = [(o, sp.structured_outputs) for o, sp in zip(unmasked, params, strict=True)
+             if o[1] == "stop"]
+    assert len(ended) > len(params) // 2
+    for (token_ids, _, _, _), spec in ended:
+        assert spec is not None
+        if spec.regex is None:  # (llguidance's \d takes digits of a newer Unicode than re's)
+            assert valid(spec, llm.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def test_a_row_left_with_nothing_fails_the_same_way(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """min_tokens past the grammar's end: the check refuses the unmasked choice, the mask leaves
+    nothing, and the request ends with the error that says why, as when masked first."""
+    spec = SOP(choice=["red", "green"])
+    params = [SamplingParams(temperature=0.0, max_tokens=20, min_tokens=9, structured_outputs=spec)]
+    p = prompts(1, seed=31)
+    unmasked = run(llm, p, params)
+    monkeypatch.setattr(llm.engine_core, "greedy_unmasked", False)
+    assert run(llm, p, params) == unmasked
+    assert unmasked[0][1] == "abort" and "min_tokens=9 forbids the stop token" in unmasked[0][2]
+
