@@ -172,11 +172,14 @@ def test_bench_structured_compares_constrained_with_unconstrained(
             "--repeats", "1", "--threads", "1", "--kv-cache-gib", "0.05", "--max-model-len", "256"]
     assert bench_structured.main(argv) == 0
     out = capsys.readouterr().out
-    assert re.search(r"tokens per round: structured (\d+), unconstrained \1;", out)  # same work
+    for kind in ("greedy", "seeded"):  # the same work on both sides
+        assert re.search(rf"{kind}: tokens per round: structured (\d+), unconstrained \1;", out)
     assert "load average" in out
     rows = table_rows(out)
-    _, _, ratio, _, verdict = rows["output tok/s, 2 concurrent"]
+    _, _, ratio, _, verdict = rows["output tok/s, 2 concurrent, greedy"]
     assert float(ratio) > 0 and verdict in {"ok", "MISS"}
+    _, _, ratio, target, verdict = rows["output tok/s, 2 concurrent, seeded T=1"]
+    assert float(ratio) > 0 and target == verdict == ""
     for measure in ("TTFT ms, new schema", "TTFT ms, cached schema", "compile ms, new schema",
                     "start to ready ms, cached schema"):
         assert float(rows[measure][0]) > 0
