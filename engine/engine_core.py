@@ -115,7 +115,8 @@ class EngineCore:
         return outputs
 
     def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
-        """The bitmask rows of this step's constrained samplers (one pass over their matchers).
+        """The bitmask rows of this step's constrained samplers (one pass over their matchers;
+        on CPU, the greedy rows' checks instead, see below).
         On a GPU they are filled in the manager's fill thread while the forward runs on the
         device. On CPU they are filled here, before the forward, with the additive mask the
         runner adds to the logits: the forward's threads use every core, and a fill thread
@@ -143,8 +144,10 @@ class EngineCore:
                                            in_thread=self.fill_in_thread)
         greedy = None
         if checked:
-            matchers = [m for m in self._matchers(checked) if isinstance(m, XgrammarMatcher)]
-            greedy = self.structured.greedy_check(checked, matchers, additive=on_cpu)
+            matchers = self._matchers(checked)
+            assert all(isinstance(m, XgrammarMatcher) for m in matchers)
+            greedy = self.structured.greedy_check(
+                checked, [m for m in matchers if isinstance(m, XgrammarMatcher)])
         return GrammarBitmask(filled, pending, greedy)
 
     def _matchers(self, req_ids: list[str]) -> list[Matcher]:

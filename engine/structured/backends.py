@@ -30,8 +30,10 @@ class Backend(Protocol):
 
 
 class XgrammarMatcher:
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, special_token_ids: frozenset[int] = frozenset()) -> None:
         self.inner = matcher  # xgrammar.GrammarMatcher
+        # never allowed (xgrammar refuses them, with a warning each time it is asked)
+        self.special_token_ids = special_token_ids
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         return all(not self.inner.is_terminated() and self.inner.accept_token(t) for t in token_ids)
@@ -46,7 +48,7 @@ class XgrammarMatcher:
         (llguidance has no such check: its mask holds only the canonical tokens of text the
         grammar forces, where its byte-level validation also accepts other splits.)"""
         inner = self.inner
-        if inner.is_terminated() or not inner.accept_token(token):
+        if token in self.special_token_ids or inner.is_terminated() or not inner.accept_token(token):
             return False
         inner.rollback(1)
         return True
@@ -95,6 +97,7 @@ class XgrammarBackend:
                                                        stop_token_ids=stop_token_ids or None)
         # the manager caches compiled grammars by spec; xgrammar's own cache would hold them twice
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
+        self.special_token_ids = frozenset(self.info.special_token_ids) - set(stop_token_ids)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         return self.compiler.compile_grammar(xgrammar_grammar(params))
@@ -102,7 +105,7 @@ class XgrammarBackend:
     def matcher(self, compiled: Any) -> XgrammarMatcher:
         import xgrammar as xgr
 
-        return XgrammarMatcher(xgr.GrammarMatcher(compiled))
+        return XgrammarMatcher(xgr.GrammarMatcher(compiled), self.special_token_ids)
 
 
 class GuidanceBackend:

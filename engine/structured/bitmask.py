@@ -15,8 +15,8 @@ edit the sampler makes before that argmax works token by token and leaves -inf a
 masking first or last gives the same logits on the allowed tokens and -inf elsewhere; when the
 first maximum is an allowed token it stays the first maximum once the others are -inf. Only
 the rows whose choice the grammar refuses get a mask (filled then, in one pass) and a new
-argmax. On CPU that skips most of the fill (~0.35 ms a row of 49,152 tokens; the check is a
-matcher's accept and roll back, ~1-3 us).
+argmax (`masked_argmax`, over the allowed ids). On CPU that skips most of the fill (~0.35 ms
+a row of 49,152 tokens; the check is a matcher's accept and roll back, ~1-3 us).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class GreedyCheck:
 
     req_ids: list[str]
     matchers: list[XgrammarMatcher]  # (xgrammar's: they can tell a token's bit without a mask)
-    fill: Callable[[list[Matcher]], StepMask]  # the manager's fill, here and now
+    fill: Callable[[list[Matcher]], StepMask]  # the manager's fill (bitmask only), here and now
     counts: GreedyCounts = field(default_factory=GreedyCounts)
 
     def tokens(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -76,17 +76,35 @@ class GreedyCheck:
         self.counts.refused += len(refused)
         if not refused:
             return tokens
-        mask = self.fill([self.matchers[i] for i in refused])  # one pass
-        index = torch.tensor([rows[i] for i in refused], dtype=torch.int64, device=logits.device)
-        masked = logits.index_select(0, index).to(torch.float32)  # [len(refused), vocab], a copy
-        own = list(range(len(refused)))
-        if mask.additive is not None:
-            apply_additive_mask(masked, mask.additive.to(masked.device), own)
-        else:
-            apply_token_bitmask(masked, mask.bitmask, own)
+        bitmask = self.fill([self.matchers[i] for i in refused]).bitmask  # one pass
         tokens = tokens.clone()
-        tokens[index] = masked.argmax(dim=-1)
+        for j, i in enumerate(refused):
+            tokens[rows[i]] = masked_argmax(logits[rows[i]], bitmask[j])
         return tokens
+
+
+def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
+    """`argmax` of logits [vocab] once every token bitmask [words] int32 forbids is -inf (a
+    masked fill; a forbidden +inf too), without writing the row: the first maximum among the
+    allowed tokens, or 0 where they are all -inf or none is allowed (the argmax of a row of
+    -inf). ~0.05 ms for 49,152 tokens, where masking the row cost ~0.2 ms."""
+    vocab = logits.shape[0]
+    ids = allowed_ids(bitmask, vocab)
+    if ids.numel() == 0:
+        return 0
+    values = logits[ids.to(logits.device)]  # ascending ids: the first maximum is the first
+    best = int(values.argmax())
+    if values[best] == float("-inf"):
+        return 0
+    return int(ids[best])
+
+
+def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[words] int32 -> the allowed token ids below vocab_size, ascending (int64, CPU)."""
+    if sys.byteorder == "little":  # bit t % 32 of word t // 32 is bit t % 8 of byte t // 8
+        bits = np.unpackbits(bitmask.cpu().contiguous().numpy().view(np.uint8), bitorder="little")
+        return torch.from_numpy(np.flatnonzero(bits[:vocab_size]))
+    return allowed_mask(bitmask.cpu()[None], vocab_size)[0].nonzero().flatten()
 
 
 @dataclass

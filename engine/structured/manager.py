@@ -1,5 +1,6 @@
 """StructuredOutputManager: grammars compiled off the scheduler's thread, cached by spec, and one
-step's token bitmask filled for every constrained row in one pass (vLLM's manager, in small).
+step's token bitmask filled for its constrained rows in one pass (vLLM's manager, in small; on
+CPU greedy rows are filled only when their unmasked choice is refused, in a second pass).
 
     manager = StructuredOutputManager(tokenizer_path, vocab_size=49152, eos_token_id=2)
     state = manager.start(params)          # compiles in the manager's threads
@@ -7,7 +8,7 @@ step's token bitmask filled for every constrained row in one pass (vLLM's manage
     error = state.finish(prior_outputs)    # the matcher, advanced over outputs it continues from
     bitmask = manager.bitmask([state.matcher, ...])  # [rows, ceil(vocab / 32)] int32, 1 = allowed
     future = manager.fill([state.matcher, ...], additive=True, in_thread=True)  # while the model runs
-    check = manager.greedy_check([req_id, ...], [state.matcher, ...], additive=True)  # masks on demand
+    check = manager.greedy_check([req_id, ...], [state.matcher, ...])  # greedy rows: masks on demand
 """
 
 from __future__ import annotations
@@ -173,11 +174,10 @@ class StructuredOutputManager:
             done.set_exception(e)
         return done
 
-    def greedy_check(self, req_ids: list[str], matchers: list[XgrammarMatcher],
-                     additive: bool) -> GreedyCheck:
+    def greedy_check(self, req_ids: list[str], matchers: list[XgrammarMatcher]) -> GreedyCheck:
         """Greedy rows masked only when their grammar refuses their unmasked choice; a refused
-        row's mask is filled here, on the step's thread, when the sampler asks."""
-        return GreedyCheck(req_ids, matchers, lambda refused: self._fill(refused, additive),
+        row's bitmask is filled here, on the step's thread, when the sampler asks."""
+        return GreedyCheck(req_ids, matchers, lambda refused: self._fill(refused, False),
                            self.greedy_counts)
 
     def _fill(self, matchers: list[Matcher], additive: bool) -> StepMask:

@@ -256,11 +256,15 @@ def test_every_way_of_filling_and_applying_gives_the_same_tokens(
     assert manager.greedy_counts.checked > checked
 
 
-@pytest.mark.parametrize("in_thread", [False, True], ids=["here", "fill-thread"])
+@pytest.mark.parametrize("mode", ["here", "fill-thread", "greedy-check"])
 def test_a_fill_that_fails_fails_the_step_and_the_next_step_runs(
-        llm: LLM, monkeypatch: pytest.MonkeyPatch, in_thread: bool) -> None:
+        llm: LLM, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Filled before the forward, in the fill thread, or for a greedy row whose unmasked
+    choice the grammar refused (inside the sampler)."""
     manager = llm.engine_core.structured
-    monkeypatch.setattr(llm.engine_core, "fill_in_thread", in_thread)
+    monkeypatch.setattr(llm.engine_core, "fill_in_thread", mode == "fill-thread")
+    monkeypatch.setattr(llm.engine_core, "greedy_unmasked", mode == "greedy-check")
+    refused = manager.greedy_counts.refused
     fill = manager._fill
 
     def broken(matchers: list[Any], additive: bool) -> Any:
@@ -269,6 +273,7 @@ def test_a_fill_that_fails_fails_the_step_and_the_next_step_runs(
     monkeypatch.setattr(manager, "_fill", broken)
     with pytest.raises(RuntimeError, match="fill broke"):
         llm.generate(prompts(1, seed=3), [constrained(SPECS["regex"])], use_tqdm=False)
+    assert (manager.greedy_counts.refused > refused) == (mode == "greedy-check")
     monkeypatch.setattr(manager, "_fill", fill)
     core = llm.engine_core
     core.abort_requests(list(core.scheduler.requests))

@@ -92,7 +92,10 @@ def test_a_row_left_with_nothing_fails_the_same_way(llm: LLM, monkeypatch: pytes
     spec = SOP(choice=["red", "green"])
     params = [SamplingParams(temperature=0.0, max_tokens=20, min_tokens=9, structured_outputs=spec)]
     p = prompts(1, seed=31)
+    counts = llm.engine_core.structured.greedy_counts
+    refused = counts.refused
     unmasked = run(llm, p, params)
+    assert counts.refused > refused  # the check ran and refused
     monkeypatch.setattr(llm.engine_core, "greedy_unmasked", False)
     assert run(llm, p, params) == unmasked
     assert unmasked[0][1] == "abort" and "min_tokens=9 forbids the stop token" in unmasked[0][2]

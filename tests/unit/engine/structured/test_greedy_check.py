@@ -22,6 +22,7 @@ from engine.structured.bitmask import (
     additive_mask,
     allowed_mask,
     apply_token_bitmask_reference,
+    masked_argmax,
 )
 from engine.structured.manager import StructuredOutputManager
 from engine.structured.params import StructuredOutputsParams as SOP
@@ -99,6 +100,54 @@ def test_allows_is_the_bitmask_bit_for_every_token_in_every_state(
         assert m.accept_tokens([rng.choice(choices)])
 
 
+def test_allows_is_the_bitmask_bit_along_the_benchmark_schemas(manager: StructuredOutputManager) -> None:
+    """Random allowed paths through four of the benchmark's realistic schemas ($defs, enums,
+    arrays with bounds, formats)."""
+    from benchmarks.structured_workload import TASKS
+
+    for n, (_, schema) in enumerate(TASKS[:4]):
+        rng = random.Random(n)
+        m = matcher(manager, SOP(json=json.dumps(schema)), "xgrammar")
+        for step in range(5):
+            bits = check_every_token(manager, m, f"task {n} step {step}")
+            choices = [t for t in range(VOCAB) if bits[t] and t != EOS]
+            assert m.accept_tokens([rng.choice(choices)])
+
+
+def test_a_model_vocab_wider_than_the_tokenizers_allows_none_of_the_extra_ids() -> None:
+    wide = StructuredOutputManager(str(smollm2_tokenizer_dir()), VOCAB + 64, EOS)
+    try:
+        state = wide.start(choose_backend(SOP(regex="[a-c]+"), "xgrammar"))
+        state.future.result(timeout=WAIT_S)
+        assert state.finish([]) is None
+        m = state.matcher
+        assert m is not None
+        bits = allowed_mask(wide.bitmask([m]), VOCAB + 64)[0].tolist()
+        assert [m.allows(t) for t in range(VOCAB + 64)] == bits  # type: ignore[attr-defined]
+        assert not any(bits[VOCAB:])
+    finally:
+        wide.shutdown()
+
+
+def test_special_tokens_are_refused_without_asking_xgrammar(manager: StructuredOutputManager) -> None:
+    m = matcher(manager, SOP(regex="[a-c]+"), "xgrammar")
+    m.special_token_ids = frozenset({5})  # (the default model's tokenizer declares none)
+    asked: list[int] = []
+    inner = m.inner
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        def accept_token(self, token: int) -> bool:
+            asked.append(token)
+            return bool(inner.accept_token(token))
+
+    m.inner = Spy()
+    assert not m.allows(5) and asked == []
+    assert not m.allows(6) and asked == [6]
+
+
 class SetMatcher:
     """A matcher that allows a fixed set of tokens (for GreedyCheck alone)."""
 
@@ -124,43 +173,67 @@ def bitmask_of(matchers: list[Any], vocab: int) -> torch.Tensor:
     return torch.from_numpy(np.packbits(bits, axis=1, bitorder="little").view("<i4").astype(np.int32))
 
 
-@pytest.mark.parametrize("additive", [True, False], ids=["additive", "bitmask"])
-def test_check_gives_the_argmax_of_the_masked_logits(additive: bool) -> None:
+def test_check_gives_the_argmax_of_the_masked_logits() -> None:
     rng = random.Random(4)
     vocab, n = 300, 9
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(1))
     logits[2, 10] = logits[2, 200] = 50.0  # a tie: the first maximum
-    logits[5] = float("-inf")  # a row with nothing left (as min_tokens past a grammar's end)
+    logits[5] = float("-inf")  # nothing left once masked (as min_tokens past a grammar's end)
     logits[6, :5] = 9.0  # ties among refused tokens
+    logits[3, 17] = float("inf")  # a forbidden +inf (a tiny repetition penalty): still masked
+    logits[7, 4] = float("nan")  # a forbidden NaN: masked as well
     rows = [7, 2, 5, 0, 6, 3]  # the checked rows, out of batch order
     allowed = [set(rng.sample(range(vocab), 40)) for _ in rows]
     allowed[1] |= {10}  # allowed first maximum: kept
     allowed[1] -= {200}
     allowed[3] |= {int(logits[0].argmax())}
     allowed[4] = {3, 4, 250}  # refused first maxima: the first allowed one of the tie wins
-    allowed[2] = {0}
+    allowed[2] = {7}  # refused (argmax 0 of an all -inf row), and the mask leaves nothing
+    allowed[5] -= {17}
+    allowed[0] -= {4}
     matchers = [SetMatcher(a) for a in allowed]
     fills: list[int] = []
 
     def fill(ms: list[Any]) -> StepMask:
         fills.append(len(ms))
         bm = bitmask_of(ms, vocab)
-        return StepMask(bm, additive_mask(bm, vocab) if additive else None)
+        return StepMask(bm, additive_mask(bm, vocab))  # (the check masks from the bitmask)
 
     counts = GreedyCounts()
     check = GreedyCheck([f"r{r}" for r in rows], matchers, fill, counts)  # type: ignore[arg-type]
     before = logits.clone()
     tokens = check.tokens(logits, logits.argmax(dim=-1), rows)
-    assert torch.equal(logits, before)  # not modified
+    torch.testing.assert_close(logits, before, rtol=0, atol=0, equal_nan=True)  # not modified
     want = logits.argmax(dim=-1)
     masked = logits.clone()
     apply_token_bitmask_reference(masked, bitmask_of(matchers, vocab), rows)
     want[rows] = masked[rows].argmax(dim=-1)
     assert tokens.tolist() == want.tolist()
-    assert tokens[2] == 10 and tokens[6] == 3 and tokens[5] == 0
+    assert tokens[2] == 10 and tokens[6] == 3 and tokens[5] == 0 and int(tokens[3]) in allowed[5]
     refused = [i for i, r in enumerate(rows) if int(logits[r].argmax()) not in allowed[i]]
     assert fills == [len(refused)] and 0 < len(refused) < len(rows)  # one fill, refused rows only
     assert (counts.checked, counts.refused) == (len(rows), len(refused))
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 64, 1000, VOCAB])
+def test_masked_argmax_is_the_argmax_of_the_masked_row(vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    for case in range(12):
+        row = torch.randn(vocab + (5 if case % 3 == 0 else 0), generator=gen)  # wider than the mask
+        if case % 4 == 1:
+            row[torch.rand(row.shape, generator=gen) < 0.5] = float("-inf")
+        if case % 4 == 2:
+            row[: max(1, vocab // 3)] = row.max()  # ties
+        bitmask = torch.randint(-(2**31), 2**31, (words,), dtype=torch.int64, generator=gen)
+        bitmask = bitmask.to(torch.int32)
+        if case == 5:
+            bitmask.zero_()  # nothing allowed
+        if case == 7:
+            row[:] = float("-inf")
+        want = row.clone()[None]
+        apply_token_bitmask_reference(want, bitmask[None], [0])
+        assert masked_argmax(row, bitmask) == int(want[0].argmax()), case
 
 
 def test_no_refusal_fills_nothing_and_keeps_the_tokens() -> None:
