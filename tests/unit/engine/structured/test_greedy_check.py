@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -28,9 +27,8 @@ from engine.structured.manager import StructuredOutputManager
 from engine.structured.params import StructuredOutputsParams as SOP
 from engine.structured.select import choose_backend
 from tests.unit.engine.conftest import smollm2_tokenizer_dir
+from tests.unit.engine.structured.conftest import EOS, VOCAB
 
-VOCAB = 49152
-EOS = 2
 WAIT_S = 60
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
           "required": ["n"], "additionalProperties": False}
@@ -42,20 +40,6 @@ CASES = {
     "grammar": (SOP(grammar='root ::= "(" item ("," item){0,3} ")"\nitem ::= [a-z] | [0-9]'),
                 "(a,7,q)"),
 }
-
-
-@pytest.fixture(scope="module")
-def manager() -> Iterator[StructuredOutputManager]:
-    m = StructuredOutputManager(str(smollm2_tokenizer_dir()), VOCAB, EOS)
-    yield m
-    m.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from engine.model.loader import load_tokenizer
-
-    return load_tokenizer(smollm2_tokenizer_dir())
 
 
 def matcher(manager: StructuredOutputManager, spec: SOP, backend: str) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,24 +17,9 @@ from engine.structured.manager import StructuredOutputManager
 from engine.structured.params import StructuredOutputsParams as SOP
 from engine.structured.select import choose_backend
 from tests.unit.engine.conftest import smollm2_tokenizer_dir
+from tests.unit.engine.structured.conftest import EOS, VOCAB
 
-VOCAB = 49152
-EOS = 2
 WAIT_S = 60  # bound on every wait (a compile takes well under a second)
-
-
-@pytest.fixture(scope="module")
-def manager() -> Iterator[StructuredOutputManager]:
-    m = StructuredOutputManager(str(smollm2_tokenizer_dir()), VOCAB, EOS)
-    yield m
-    m.shutdown()
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    from engine.model.loader import load_tokenizer
-
-    return load_tokenizer(smollm2_tokenizer_dir())
 
 
 def ready(manager: StructuredOutputManager, params: SOP, prior: list[int] | None = None,
