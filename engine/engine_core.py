@@ -68,7 +68,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.step_seconds = Histogram.with_bounds(STEP_SECONDS_BUCKETS)  # steps that computed tokens
         self.fill_in_thread = device.type != "cpu"  # grammar bitmasks (see _grammar_bitmask)
-        self.greedy_unmasked = device.type == "cpu"  # greedy rows masked only when needed (same)
+        self.check_unmasked = device.type == "cpu"  # greedy rows masked only when needed (same)
         # Grammars compile in the manager's threads; its tokenizer loads with the first one.
         self.structured = StructuredOutputManager(
             str(resolve_model_path(config.tokenizer) if config.tokenizer else path), model.vocab_size,
@@ -115,16 +115,15 @@ class EngineCore:
         return outputs
 
     def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
-        """The bitmask rows of this step's constrained samplers (one pass over their matchers;
-        on CPU, the greedy rows' checks instead, see below).
+        """The bitmask rows of this step's constrained samplers (one pass over their matchers).
         On a GPU they are filled in the manager's fill thread while the forward runs on the
         device. On CPU they are filled here, before the forward, with the additive mask the
         runner adds to the logits: the forward's threads use every core, and a fill thread
         beside them stalls each of their parallel regions (measured: 16 JSON-schema rows cost
-        the step 15.5 ms overlapped, against ~6.5 ms of fill done first). On CPU, greedy rows
-        without logprobs (xgrammar's) are not filled here at all: the sampler checks their unmasked choice
-        and a row is filled only when its grammar refuses it (GreedyCheck; 3 rows in 4 of the
-        structured benchmark's need no mask)."""
+        the step 15.5 ms overlapped, against ~6.5 ms of fill done first). On CPU, the rows an
+        argmax samples (`_checkable`) are not filled here at all: the sampler checks their
+        unmasked choice and a row is filled only when its grammar refuses it (ArgmaxCheck;
+        3 greedy rows in 4 of the structured benchmark's need no mask)."""
         if not req_ids:
             return None
         on_cpu = self.runner.device.type == "cpu"
@@ -132,23 +131,32 @@ class EngineCore:
         filled: list[str] = []
         checked: list[str] = []
         for req_id in req_ids:
-            request = requests[req_id]
-            params = request.sampling_params
-            grammar = request.grammar
-            lazy = (self.greedy_unmasked and params.is_greedy and params.logprobs is None
-                    and grammar is not None and isinstance(grammar.matcher, XgrammarMatcher))
-            (checked if lazy else filled).append(req_id)
+            (checked if self._checkable(requests[req_id]) else filled).append(req_id)
         pending = None
         if filled:
             pending = self.structured.fill(self._matchers(filled), additive=on_cpu,
                                            in_thread=self.fill_in_thread)
-        greedy = None
+        check = None
         if checked:
             matchers = self._matchers(checked)
             assert all(isinstance(m, XgrammarMatcher) for m in matchers)
-            greedy = self.structured.greedy_check(
-                checked, [m for m in matchers if isinstance(m, XgrammarMatcher)])
-        return GrammarBitmask(filled, pending, greedy)
+            check = self.structured.argmax_check(
+                checked, [requests[r].sampling_params.is_greedy for r in checked],
+                [m for m in matchers if isinstance(m, XgrammarMatcher)])
+        return GrammarBitmask(filled, pending, check)
+
+    def _checkable(self, request: Request) -> bool:
+        """Whether the request's grammar may be checked after its argmax instead of masking
+        first (see engine/structured/bitmask.py): on CPU, an xgrammar matcher, no logprobs (they
+        come from the constrained distribution), and greedy, or sampled without top-k, top-p
+        and min-p (which look at the whole, constrained, row)."""
+        params = request.sampling_params
+        grammar = request.grammar
+        if not (self.check_unmasked and params.logprobs is None and grammar is not None
+                and isinstance(grammar.matcher, XgrammarMatcher)):
+            return False
+        return params.is_greedy or (params.top_p >= 1.0 and params.min_p <= 0.0
+                                    and not 1 <= params.top_k < self.vocab_size)
 
     def _matchers(self, req_ids: list[str]) -> list[Matcher]:
         matchers = []

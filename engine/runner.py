@@ -27,7 +27,7 @@ from engine.core.outputs import (
 from engine.cuda_graphs import DecodeGraphs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.prompt_logprobs import prompt_logprobs
-from engine.sample.sampler import GreedyFix, Sampler, SamplerOutput
+from engine.sample.sampler import ArgmaxFix, Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
 from engine.structured.bitmask import GrammarBitmask, apply_additive_mask, apply_token_bitmask
 
@@ -229,8 +229,8 @@ class ModelRunner:
         if batch.sample_req_idx:
             logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_sampled, vocab]
             states = [self.requests[batch.req_ids[i]] for i in batch.sample_req_idx]
-            greedy_fix = None if grammar is None else self._apply_grammar(logits, states, grammar)
-            out = self.sampler(logits, self._sampling_metadata(states), greedy_fix)
+            argmax_fix = None if grammar is None else self._apply_grammar(logits, states, grammar)
+            out = self.sampler(logits, self._sampling_metadata(states), argmax_fix)
             self._record(batch, states, out, sampled, logprobs)
         any_logprobs = any(lp is not None for lp in logprobs)
         result = ModelRunnerOutput(batch.req_ids, sampled, logprobs if any_logprobs else [])
@@ -321,12 +321,12 @@ class ModelRunner:
 
     # --- sampling ---------------------------------------------------------------------
     def _apply_grammar(self, logits: torch.Tensor, states: list[RequestState],
-                       grammar: GrammarBitmask) -> GreedyFix | None:
+                       grammar: GrammarBitmask) -> ArgmaxFix | None:
         """Masks each filled constrained row's logits with its bitmask row (before any sampling
-        step). Returns the sampler's fix of the greedy rows checked unmasked, if any."""
+        step). Returns the sampler's fix of the rows checked unmasked, if any."""
         rows = {s.req_id: row for row, s in enumerate(states)}
-        missing = [r for r in [*grammar.req_ids, *(grammar.greedy.req_ids if grammar.greedy else [])]
-                   if r not in rows]
+        check = grammar.checked
+        missing = [r for r in [*grammar.req_ids, *(check.req_ids if check else [])] if r not in rows]
         if missing:
             raise RuntimeError(f"grammar rows {missing} do not sample this step")
         if grammar.req_ids:
@@ -336,11 +336,12 @@ class ModelRunner:
                 apply_additive_mask(logits, mask.additive, logit_rows)
             else:
                 apply_token_bitmask(logits, mask.bitmask, logit_rows)
-        check = grammar.greedy
         if check is None:
             return None
-        greedy_rows = [rows[r] for r in check.req_ids]
-        return lambda processed, tokens: check.tokens(processed, tokens, greedy_rows)
+        pairs = {kind: [(i, rows[r]) for i, (r, g) in enumerate(zip(check.req_ids, check.greedy,
+                                                                     strict=True)) if g == kind]
+                 for kind in (True, False)}
+        return lambda values, tokens, greedy: check.tokens(values, tokens, pairs[greedy])
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(

@@ -5,15 +5,19 @@
    outputs, and each bad word's last token when the output ends with the rest of it;
    logit_bias (vLLM V1's order: these, then the penalties);
 3. penalties: repetition (prompt + output), frequency and presence (output);
-4. greedy rows: argmax of the penalized logits (then `greedy_fix`, when given: the grammar's
-   check of rows that were not masked before step 1; every edit of steps 2-3 works token by
-   token and keeps -inf at -inf, which that check relies on);
+4. greedy rows: argmax of the penalized logits;
 5. temperature -> min-p -> top-k -> top-p -> exponential race `argmax(probs / q)`,
-   `q ~ Exp(1)`. A seeded row draws its `q` from a generator seeded with
+   `q ~ Exp(1)`, taken in log space: `argmax(logits - log q)` (the row's log-normaliser is
+   one constant), so no softmax. A seeded row draws its `q` from a generator seeded with
    `position_seed(seed, output_position)`, so its draws depend on nothing but the seed and the
    position of the token in the sample's output: the same tokens in any batch, after a
    preemption, on a prefill worker and then a decode worker, or after a migration to another
    worker. Unseeded rows draw from the sampler's generator.
+
+Both 4 and 5 take an argmax of values each computed from its own token's logit alone (edits that
+keep -inf at -inf), except where min-p, top-k or top-p look at the whole row. `argmax_fix`, when
+given, sees those values and the argmax of each kind (greedy, then random) and may replace
+tokens: the grammar's check of rows that were not masked before step 1 (ArgmaxCheck).
 """
 
 from __future__ import annotations
@@ -43,8 +47,8 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
-# (processed logits [num_rows, vocab], their argmax [num_rows]) -> the greedy tokens to use
-GreedyFix = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (values [num_rows, vocab], their argmax [num_rows], greedy rows or random rows) -> the tokens
+ArgmaxFix = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
 class Sampler:
@@ -56,12 +60,14 @@ class Sampler:
         self._seeded = torch.Generator(device=device)  # re-seeded per seeded row and step
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata,
-                 greedy_fix: GreedyFix | None = None) -> SamplerOutput:
+                 argmax_fix: ArgmaxFix | None = None) -> SamplerOutput:
         """logits: [num_rows, vocab] float32 (not modified). Returns one token per row.
-        `greedy_fix` may replace greedy rows' tokens (it sees the logits their argmax saw)."""
+        `argmax_fix` may replace tokens (it sees the values their argmax saw)."""
         if not meta.needs_full_pipeline:
             tokens = logits.argmax(dim=-1)
-            return SamplerOutput(tokens if greedy_fix is None else greedy_fix(logits, tokens), None)
+            if argmax_fix is not None:
+                tokens = argmax_fix(logits, tokens, True)
+            return SamplerOutput(tokens, None)
         logits = logits.to(torch.float32).clone()
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
@@ -71,15 +77,15 @@ class Sampler:
         logits = apply_logit_bias(logits, meta.logit_bias)
         if meta.penalties is not None:
             logits = apply_penalties(logits, meta.penalties)
-        sampled = self._sample(logits, meta, greedy_fix)
+        sampled = self._sample(logits, meta, argmax_fix)
         lp = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, sampled, meta)
         return SamplerOutput(sampled, lp)
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata,
-                greedy_fix: GreedyFix | None) -> torch.Tensor:
+                argmax_fix: ArgmaxFix | None) -> torch.Tensor:
         greedy_tokens = None if meta.all_random else logits.argmax(dim=-1)
-        if greedy_fix is not None and greedy_tokens is not None:
-            greedy_tokens = greedy_fix(logits, greedy_tokens)
+        if argmax_fix is not None and greedy_tokens is not None:
+            greedy_tokens = argmax_fix(logits, greedy_tokens, True)
         if meta.all_greedy:
             assert greedy_tokens is not None
             return greedy_tokens
@@ -88,23 +94,27 @@ class Sampler:
             logits = apply_min_p(logits, meta.min_p)
         if meta.top_k is not None or meta.top_p is not None:
             logits = apply_top_k_top_p(logits, meta.top_k, meta.top_p)
-        probs = torch.softmax(logits, dim=-1)  # [num_rows, vocab]
-        random_tokens = self._exponential_race(probs, meta.seeds)
+        keys = self._race_keys(logits, meta.seeds)  # [num_rows, vocab]
+        random_tokens = keys.argmax(dim=-1)
+        if argmax_fix is not None:
+            random_tokens = argmax_fix(keys, random_tokens, False)
         if greedy_tokens is None:
             return random_tokens
         return torch.where(meta.greedy, greedy_tokens, random_tokens)
 
-    def _exponential_race(self, probs: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
-        """argmax(probs / q) with q ~ Exp(1) i.i.d.: a draw from `probs` per row. Rows in
-        `seeds` (row -> this step's position seed) draw from a generator seeded with it."""
-        u = torch.empty_like(probs)  # [num_rows, vocab], uniform in [0, 1)
-        if len(seeds) < probs.shape[0]:
+    def _race_keys(self, logits: torch.Tensor, seeds: dict[int, int]) -> torch.Tensor:
+        """logits - log q with q ~ Exp(1) i.i.d.: the row's argmax is a draw from
+        softmax(logits) (the exponential race argmax(probs / q), in log space). Rows in `seeds`
+        (row -> this step's position seed) draw from a generator seeded with it. -inf logits
+        stay -inf (never drawn), as does a token whose u is 0 (q = inf)."""
+        u = torch.empty_like(logits)  # [num_rows, vocab], uniform in [0, 1)
+        if len(seeds) < logits.shape[0]:
             u.uniform_(generator=self.generator)
         for row, seed in seeds.items():
             self._seeded.manual_seed(seed)
             u[row].uniform_(generator=self._seeded)
-        q = u.log_().neg_()  # Exp(1) by inverse CDF (u = 0 gives q = inf: never chosen)
-        return probs.div_(q).argmax(dim=-1)
+        log_q = u.log_().neg_().log_()  # q = -log u ~ Exp(1) by inverse CDF
+        return logits - log_q
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

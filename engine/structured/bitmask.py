@@ -9,14 +9,16 @@ C++ kernel on CPU (a word at a time, no temporaries), elsewhere, and as the refe
 is tested against, a PyTorch masked fill; `apply_token_bitmask_reference` spells the rule out
 token by token.
 
-A greedy row that does not return logprobs (xgrammar's) needs no mask at all when the grammar allows its
-unmasked choice (`GreedyCheck`): its token is the argmax of its processed logits, and every
-edit the sampler makes before that argmax works token by token and leaves -inf at -inf, so
-masking first or last gives the same logits on the allowed tokens and -inf elsewhere; when the
-first maximum is an allowed token it stays the first maximum once the others are -inf. Only
-the rows whose choice the grammar refuses get a mask (filled then, in one pass) and a new
-argmax (`masked_argmax`, over the allowed ids). On CPU that skips most of the fill (~0.35 ms
-a row of 49,152 tokens; the check is a matcher's accept and roll back, ~1-3 us).
+A row whose token is the argmax of values computed token by token (a greedy row: its processed
+logits; a sampled row without top-k, top-p or min-p: its race keys, logits / T - log q), that
+returns no logprobs and whose grammar is xgrammar's, needs no mask at all when the grammar
+allows its unmasked choice (`ArgmaxCheck`). Every edit the sampler makes before that argmax
+works token by token and keeps -inf at -inf, so masking first or last gives the same values on
+the allowed tokens and -inf elsewhere; when the first maximum is an allowed token it stays the
+first maximum once the others are -inf. Only the rows whose choice the grammar refuses get a
+mask (filled then, in one pass) and a new argmax (`masked_argmax`, over the allowed ids). On
+CPU that skips most of the fill (~0.35 ms a row of 49,152 tokens; the check is a matcher's
+accept and roll back, ~1-3 us).
 """
 
 from __future__ import annotations
@@ -46,40 +48,45 @@ class StepMask:
 
 
 @dataclass
-class GreedyCounts:
-    """Greedy rows checked without a mask since start-up, and those the grammar refused."""
+class CheckCounts:
+    """Rows checked without a mask since start-up, and those the grammar refused."""
 
     checked: int = 0
     refused: int = 0
 
 
 @dataclass
-class GreedyCheck:
-    """A step's greedy rows without logprobs, masked only where the grammar refuses their
-    unmasked choice (see the module's docstring). Row i is request req_ids[i]."""
+class ArgmaxCheck:
+    """A step's rows masked only where the grammar refuses their unmasked choice (see the
+    module's docstring): greedy[i] tells whether request req_ids[i] samples greedily."""
 
     req_ids: list[str]
+    greedy: list[bool]
     matchers: list[XgrammarMatcher]  # (xgrammar's: they can tell a token's bit without a mask)
     fill: Callable[[list[Matcher]], StepMask]  # the manager's fill (bitmask only), here and now
-    counts: GreedyCounts = field(default_factory=GreedyCounts)
+    counts: CheckCounts = field(default_factory=CheckCounts)
 
-    def tokens(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """The greedy tokens as if every row had been masked first.
+    def tokens(self, values: torch.Tensor, tokens: torch.Tensor,
+               pairs: list[tuple[int, int]]) -> torch.Tensor:
+        """The tokens as if the checked rows had been masked first.
 
-        logits: [n, vocab], the processed logits `tokens` ([n] int64, each row's argmax) were
-        taken from (not modified); rows[i]: the row of req_ids[i]. Returns `tokens`, or a copy
-        with the refused rows' tokens replaced by the argmax over what their grammar allows."""
-        picked = tokens[rows].tolist()
-        refused = [i for i, (m, t) in enumerate(zip(self.matchers, picked, strict=True))
-                   if not m.allows(t)]
-        self.counts.checked += len(rows)
+        values: [n, vocab], what `tokens` ([n] int64, each row's argmax) were taken from (not
+        modified); pairs: (i, the row of req_ids[i]) for the rows to check. Returns `tokens`, or
+        a copy with the refused rows' tokens replaced by the argmax over what their grammar
+        allows."""
+        if not pairs:
+            return tokens
+        picked = tokens[[row for _, row in pairs]].tolist()
+        refused = [(i, row) for (i, row), t in zip(pairs, picked, strict=True)
+                   if not self.matchers[i].allows(t)]
+        self.counts.checked += len(pairs)
         self.counts.refused += len(refused)
         if not refused:
             return tokens
-        bitmask = self.fill([self.matchers[i] for i in refused]).bitmask  # one pass
+        bitmask = self.fill([self.matchers[i] for i, _ in refused]).bitmask  # one pass
         tokens = tokens.clone()
-        for j, i in enumerate(refused):
-            tokens[rows[i]] = masked_argmax(logits[rows[i]], bitmask[j])
+        for j, (_, row) in enumerate(refused):
+            tokens[row] = masked_argmax(values[row], bitmask[j])
         return tokens
 
 
@@ -110,12 +117,12 @@ def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 @dataclass
 class GrammarBitmask:
     """One step's grammar rows, row i for request req_ids[i]: filled already (CPU), or being
-    filled in the manager's fill thread while the model runs (GPU); and the greedy rows that
-    are masked only when needed (`greedy`)."""
+    filled in the manager's fill thread while the model runs (GPU); and the rows that are
+    masked only when needed (`checked`)."""
 
     req_ids: list[str]
     pending: Future[StepMask] | None
-    greedy: GreedyCheck | None = None
+    checked: ArgmaxCheck | None = None
 
     def result(self) -> StepMask:
         assert self.pending is not None

@@ -1,6 +1,7 @@
 """StructuredOutputManager: grammars compiled off the scheduler's thread, cached by spec, and one
 step's token bitmask filled for its constrained rows in one pass (vLLM's manager, in small; on
-CPU greedy rows are filled only when their unmasked choice is refused, in a second pass).
+CPU the rows an argmax samples are filled only when their unmasked choice is refused, in a
+second pass).
 
     manager = StructuredOutputManager(tokenizer_path, vocab_size=49152, eos_token_id=2)
     state = manager.start(params)          # compiles in the manager's threads
@@ -8,7 +9,7 @@ CPU greedy rows are filled only when their unmasked choice is refused, in a seco
     error = state.finish(prior_outputs)    # the matcher, advanced over outputs it continues from
     bitmask = manager.bitmask([state.matcher, ...])  # [rows, ceil(vocab / 32)] int32, 1 = allowed
     future = manager.fill([state.matcher, ...], additive=True, in_thread=True)  # while the model runs
-    check = manager.greedy_check([req_id, ...], [state.matcher, ...])  # greedy rows: masks on demand
+    check = manager.argmax_check([req_id, ...], [greedy, ...], [state.matcher, ...])  # masks on demand
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from engine.structured.backends import (
     XgrammarBackend,
     XgrammarMatcher,
 )
-from engine.structured.bitmask import GreedyCheck, GreedyCounts, StepMask, additive_mask
+from engine.structured.bitmask import ArgmaxCheck, CheckCounts, StepMask, additive_mask
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.select import choose_backend
 
@@ -88,7 +89,7 @@ class StructuredOutputManager:
         self.preferred = backend
         self.cache_size = cache_size
         self.stats = CompileStats()
-        self.greedy_counts = GreedyCounts()  # greedy rows checked before any mask (GreedyCheck)
+        self.check_counts = CheckCounts()  # rows checked before any mask (ArgmaxCheck)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="grammar")
         # A step's fill runs here, never behind a compile that may take a second.
         self._fill_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
@@ -174,11 +175,12 @@ class StructuredOutputManager:
             done.set_exception(e)
         return done
 
-    def greedy_check(self, req_ids: list[str], matchers: list[XgrammarMatcher]) -> GreedyCheck:
-        """Greedy rows masked only when their grammar refuses their unmasked choice; a refused
-        row's bitmask is filled here, on the step's thread, when the sampler asks."""
-        return GreedyCheck(req_ids, matchers, lambda refused: self._fill(refused, False),
-                           self.greedy_counts)
+    def argmax_check(self, req_ids: list[str], greedy: list[bool],
+                     matchers: list[XgrammarMatcher]) -> ArgmaxCheck:
+        """Rows masked only when their grammar refuses their unmasked choice; a refused row's
+        bitmask is filled here, on the step's thread, when the sampler asks."""
+        return ArgmaxCheck(req_ids, greedy, matchers, lambda refused: self._fill(refused, False),
+                           self.check_counts)
 
     def _fill(self, matchers: list[Matcher], additive: bool) -> StepMask:
         bitmask = self.bitmask(matchers)

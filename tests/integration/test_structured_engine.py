@@ -221,8 +221,8 @@ def test_every_way_of_filling_and_applying_gives_the_same_tokens(
     (the kernel path), or with greedy rows masked only when needed (CPU's default), the tokens
     are the same, greedy and seeded."""
     core = llm.engine_core
-    assert core.greedy_unmasked
-    monkeypatch.setattr(core, "greedy_unmasked", False)  # every row filled first
+    assert core.check_unmasked
+    monkeypatch.setattr(core, "check_unmasked", False)  # every row filled first
     manager = core.structured
     threads: set[str] = set()
     fill = manager._fill
@@ -250,10 +250,10 @@ def test_every_way_of_filling_and_applying_gives_the_same_tokens(
     assert tokens() == on_cpu
     monkeypatch.setattr(manager, "_fill", fill)
     monkeypatch.setattr(core, "fill_in_thread", False)
-    monkeypatch.setattr(core, "greedy_unmasked", True)
-    checked = manager.greedy_counts.checked
+    monkeypatch.setattr(core, "check_unmasked", True)
+    checked = manager.check_counts.checked
     assert tokens() == on_cpu
-    assert manager.greedy_counts.checked > checked
+    assert manager.check_counts.checked > checked
 
 
 @pytest.mark.parametrize("mode", ["here", "fill-thread", "greedy-check"])
@@ -263,8 +263,8 @@ def test_a_fill_that_fails_fails_the_step_and_the_next_step_runs(
     choice the grammar refused (inside the sampler)."""
     manager = llm.engine_core.structured
     monkeypatch.setattr(llm.engine_core, "fill_in_thread", mode == "fill-thread")
-    monkeypatch.setattr(llm.engine_core, "greedy_unmasked", mode == "greedy-check")
-    refused = manager.greedy_counts.refused
+    monkeypatch.setattr(llm.engine_core, "check_unmasked", mode == "greedy-check")
+    refused = manager.check_counts.refused
     fill = manager._fill
 
     def broken(matchers: list[Any], additive: bool) -> Any:
@@ -273,7 +273,7 @@ def test_a_fill_that_fails_fails_the_step_and_the_next_step_runs(
     monkeypatch.setattr(manager, "_fill", broken)
     with pytest.raises(RuntimeError, match="fill broke"):
         llm.generate(prompts(1, seed=3), [constrained(SPECS["regex"])], use_tqdm=False)
-    assert (manager.greedy_counts.refused > refused) == (mode == "greedy-check")
+    assert (manager.check_counts.refused > refused) == (mode == "greedy-check")
     monkeypatch.setattr(manager, "_fill", fill)
     core = llm.engine_core
     core.abort_requests(list(core.scheduler.requests))

@@ -1,8 +1,9 @@
-"""Greedy constrained rows checked before any mask (the CPU engine's default, GreedyCheck): the
-same tokens, logprobs, finish reasons and errors as masking every row first, for every sampling
-parameter a greedy row can carry, beside rows that are always masked (seeded, logprobs) in one
-batch (llguidance's rows are always masked first); and both ways of a check (the grammar allows the unmasked
-choice: no mask; it refuses it: that row alone is filled) really happen."""
+"""Constrained rows checked before any mask (the CPU engine's default, ArgmaxCheck): greedy rows,
+and sampled rows without top-k / top-p / min-p, give the same tokens, logprobs, finish reasons
+and errors as masking every row first, for every sampling parameter they can carry, beside rows
+that are always masked (logprobs, top-k, top-p, min-p) in one batch (llguidance's rows are
+always masked first); and both ways of a check (the grammar allows the unmasked choice: no mask;
+it refuses it: that row alone is filled) really happen, greedy and sampled."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
     engine.shutdown()
 
 
-def greedy_and_other_rows(llm: LLM) -> list[SamplingParams]:
+def checked_and_other_rows(llm: LLM) -> list[SamplingParams]:
     tok = llm.tokenizer
     a, b, c, one = (tok.convert_tokens_to_ids(t) for t in ("a", "b", "c", "1"))
     return [
@@ -40,10 +41,18 @@ def greedy_and_other_rows(llm: LLM) -> list[SamplingParams]:
         SamplingParams(temperature=0.0, allowed_token_ids=[a, b, c, one, EOS, 11, 500, 4000]),
         SamplingParams(temperature=0.0, bad_words_token_ids=[[a]], logit_bias={a: 30.0, c: 20.0}),
         SamplingParams(temperature=0.0, min_tokens=3, logit_bias={EOS: 50.0}),
+        # checked unmasked: sampled (seeded) without top-k, top-p, min-p, no logprobs
+        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=0.7, seed=5, repetition_penalty=1.2, presence_penalty=0.5,
+                       logit_bias={a: 8.0, one: 6.0, EOS: 4.0}),
+        SamplingParams(temperature=1.5, seed=6, allowed_token_ids=[a, b, c, one, EOS, 11, 500],
+                       min_tokens=2, top_k=-1, top_p=1.0),
         # always masked first
         SamplingParams(temperature=0.0, logprobs=2),
-        SamplingParams(temperature=1.0, seed=3),
         SamplingParams(temperature=0.8, seed=4, top_k=5, logprobs=1),
+        SamplingParams(temperature=1.0, seed=7, top_p=0.9),
+        SamplingParams(temperature=1.0, seed=8, min_p=0.1),
+        SamplingParams(temperature=1.0, seed=9, logprobs=0),
     ]
 
 
@@ -55,15 +64,15 @@ def run(llm: LLM, prompt_ids: list[list[int]], params: list[SamplingParams]) -> 
 
 
 @pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
-def test_checked_greedy_rows_equal_rows_masked_first(llm: LLM, monkeypatch: pytest.MonkeyPatch,
-                                                     backend: str) -> None:
+def test_checked_rows_equal_rows_masked_first(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                                              backend: str) -> None:
     core = llm.engine_core
-    counts = core.structured.greedy_counts
-    kinds = greedy_and_other_rows(llm)
+    counts = core.structured.check_counts
+    kinds = checked_and_other_rows(llm)
     specs = [replace(s, backend=backend) for s in SPECS.values()]
     params = [replace(k, max_tokens=40, structured_outputs=s) for s in specs for k in kinds]
     p = prompts(len(params), seed=29)
-    assert core.greedy_unmasked  # the CPU engine's default
+    assert core.check_unmasked  # the CPU engine's default
     checked, refused = counts.checked, counts.refused
     unmasked = run(llm, p, params)
     checked, refused = counts.checked - checked, counts.refused - refused
@@ -71,7 +80,7 @@ def test_checked_greedy_rows_equal_rows_masked_first(llm: LLM, monkeypatch: pyte
         assert checked > 0 and 0 < refused < checked  # both ways of the check ran
     else:
         assert checked == 0  # llguidance rows are always masked first (see XgrammarMatcher.allows)
-    monkeypatch.setattr(core, "greedy_unmasked", False)
+    monkeypatch.setattr(core, "check_unmasked", False)
     before = counts.checked
     masked = run(llm, p, params)
     assert counts.checked == before  # every row was masked first this time
@@ -86,17 +95,32 @@ def test_checked_greedy_rows_equal_rows_masked_first(llm: LLM, monkeypatch: pyte
             assert valid(spec, llm.tokenizer.decode(token_ids, skip_special_tokens=True))
 
 
-def test_a_row_left_with_nothing_fails_the_same_way(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampled_rows_are_checked_both_ways(llm: LLM) -> None:
+    counts = llm.engine_core.structured.check_counts
+    checked, refused = counts.checked, counts.refused
+    a = llm.tokenizer.convert_tokens_to_ids("a")
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, logit_bias={a: 12.0},
+                             structured_outputs=SPECS["regex"]) for s in range(4)]
+    outs = llm.generate(prompts(4, seed=41), params, use_tqdm=False)
+    assert all(valid(SPECS["regex"], o.outputs[0].text) for o in outs)
+    checked, refused = counts.checked - checked, counts.refused - refused
+    assert checked >= sum(len(o.outputs[0].token_ids) for o in outs) and 0 < refused < checked
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_a_row_left_with_nothing_fails_the_same_way(llm: LLM, monkeypatch: pytest.MonkeyPatch,
+                                                    temperature: float) -> None:
     """min_tokens past the grammar's end: the check refuses the unmasked choice, the mask leaves
     nothing, and the request ends with the error that says why, as when masked first."""
     spec = SOP(choice=["red", "green"])
-    params = [SamplingParams(temperature=0.0, max_tokens=20, min_tokens=9, structured_outputs=spec)]
+    params = [SamplingParams(temperature=temperature, seed=1, max_tokens=20, min_tokens=9,
+                             structured_outputs=spec)]
     p = prompts(1, seed=31)
-    counts = llm.engine_core.structured.greedy_counts
+    counts = llm.engine_core.structured.check_counts
     refused = counts.refused
     unmasked = run(llm, p, params)
     assert counts.refused > refused  # the check ran and refused
-    monkeypatch.setattr(llm.engine_core, "greedy_unmasked", False)
+    monkeypatch.setattr(llm.engine_core, "check_unmasked", False)
     assert run(llm, p, params) == unmasked
     assert unmasked[0][1] == "abort" and "min_tokens=9 forbids the stop token" in unmasked[0][2]
 

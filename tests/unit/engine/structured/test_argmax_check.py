@@ -1,7 +1,7 @@
-"""The greedy rows checked before any mask: an xgrammar matcher's `allows(token)` is its bitmask
+"""The rows checked before any mask: an xgrammar matcher's `allows(token)` is its bitmask
 bit, for every token of the vocabulary, in every state a request can be in (start, mid-way,
 where the stop token is allowed, ended), and leaves the matcher where it was; and
-`GreedyCheck.tokens` gives exactly the argmax of the masked logits (ties, rows the grammar
+`ArgmaxCheck.tokens` gives exactly the argmax of the masked values (ties, rows the grammar
 leaves empty, rows out of batch order), filling masks only for the rows it must."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from engine.structured.bitmask import (
-    GreedyCheck,
-    GreedyCounts,
+    ArgmaxCheck,
+    CheckCounts,
     StepMask,
     additive_mask,
     allowed_mask,
@@ -133,7 +133,7 @@ def test_special_tokens_are_refused_without_asking_xgrammar(manager: StructuredO
 
 
 class SetMatcher:
-    """A matcher that allows a fixed set of tokens (for GreedyCheck alone)."""
+    """A matcher that allows a fixed set of tokens (for ArgmaxCheck alone)."""
 
     def __init__(self, allowed: set[int]) -> None:
         self.allowed = allowed
@@ -142,7 +142,7 @@ class SetMatcher:
         return token in self.allowed
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
-        raise AssertionError("GreedyCheck never advances a matcher")
+        raise AssertionError("ArgmaxCheck never advances a matcher")
 
     def is_terminated(self) -> bool:
         return False
@@ -183,10 +183,11 @@ def test_check_gives_the_argmax_of_the_masked_logits() -> None:
         bm = bitmask_of(ms, vocab)
         return StepMask(bm, additive_mask(bm, vocab))  # (the check masks from the bitmask)
 
-    counts = GreedyCounts()
-    check = GreedyCheck([f"r{r}" for r in rows], matchers, fill, counts)  # type: ignore[arg-type]
+    counts = CheckCounts()
+    check = ArgmaxCheck([f"r{r}" for r in rows], [True] * len(rows), matchers,  # type: ignore[arg-type]
+                        fill, counts)
     before = logits.clone()
-    tokens = check.tokens(logits, logits.argmax(dim=-1), rows)
+    tokens = check.tokens(logits, logits.argmax(dim=-1), list(enumerate(rows)))
     torch.testing.assert_close(logits, before, rtol=0, atol=0, equal_nan=True)  # not modified
     want = logits.argmax(dim=-1)
     masked = logits.clone()
@@ -228,5 +229,7 @@ def test_no_refusal_fills_nothing_and_keeps_the_tokens() -> None:
     def fill(ms: list[Any]) -> StepMask:
         raise AssertionError("nothing to fill")
 
-    check = GreedyCheck(["a", "b", "c"], matchers, fill)  # type: ignore[arg-type]
-    assert check.tokens(logits, tokens, [0, 1, 2]) is tokens
+    check = ArgmaxCheck(["a", "b", "c"], [True, False, True], matchers, fill)  # type: ignore[arg-type]
+    assert check.tokens(logits, tokens, [(0, 0), (1, 1), (2, 2)]) is tokens
+    assert check.tokens(logits, tokens, []) is tokens
+    assert check.counts.checked == 3
