@@ -11,9 +11,10 @@ sent concurrently from asyncio. Default model, float32, 2 torch threads. In one 
   decode steps: the grammar's worst case. Output tok/s = generated tokens / the round's wall
   time; step ms = the core's mean step time. Target: structured / unconstrained tok/s >= 0.9.
   The same again seeded at temperature 1.0 (each request its own seed; the unconstrained twins
-  seeded alike), reported beside it without a target: on CPU a greedy row is masked only when
-  the grammar refuses its unmasked choice, a sampled row is masked every step, so the two cost
-  differently (docs/structured-outputs.md).
+  seeded alike), reported beside it without a target: on CPU both kinds of row are masked only
+  when the grammar refuses their unmasked choice, but a sampled row with top-k, top-p, min-p
+  or logprobs is masked every step (docs/structured-outputs.md), so the sampled figure depends
+  on those parameters.
 - compile, in this process with the engine's own StructuredOutputManager: the front end's
   check of a schema (choose_backend), a new schema's compile, a cached one's start to ready, and
   the backend's start-up (the engine's first grammar: tokenizer vocabulary tables).
