@@ -68,7 +68,7 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.step_seconds = Histogram.with_bounds(STEP_SECONDS_BUCKETS)  # steps that computed tokens
         self.fill_in_thread = device.type != "cpu"  # grammar bitmasks (see _grammar_bitmask)
-        self.check_unmasked = device.type == "cpu"  # greedy rows masked only when needed (same)
+        self.check_unmasked = device.type == "cpu"  # argmax rows masked only when needed (same)
         # Grammars compile in the manager's threads; its tokenizer loads with the first one.
         self.structured = StructuredOutputManager(
             str(resolve_model_path(config.tokenizer) if config.tokenizer else path), model.vocab_size,

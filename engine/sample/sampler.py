@@ -106,14 +106,16 @@ class Sampler:
         """logits - log q with q ~ Exp(1) i.i.d.: the row's argmax is a draw from
         softmax(logits) (the exponential race argmax(probs / q), in log space). Rows in `seeds`
         (row -> this step's position seed) draw from a generator seeded with it. -inf logits
-        stay -inf (never drawn), as does a token whose u is 0 (q = inf)."""
+        stay -inf (never drawn)."""
         u = torch.empty_like(logits)  # [num_rows, vocab], uniform in [0, 1)
         if len(seeds) < logits.shape[0]:
             u.uniform_(generator=self.generator)
         for row, seed in seeds.items():
             self._seeded.manual_seed(seed)
             u[row].uniform_(generator=self._seeded)
-        log_q = u.log_().neg_().log_()  # q = -log u ~ Exp(1) by inverse CDF
+        # q = -log u ~ Exp(1) by inverse CDF; u = 0 (one draw in 2**24) is moved to the smallest
+        # float, so every token keeps a finite key (a token the grammar forces always can win)
+        log_q = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_().log_()
         return logits - log_q
 
 

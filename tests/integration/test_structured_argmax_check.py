@@ -95,16 +95,23 @@ def test_checked_rows_equal_rows_masked_first(llm: LLM, monkeypatch: pytest.Monk
             assert valid(spec, llm.tokenizer.decode(token_ids, skip_special_tokens=True))
 
 
-def test_sampled_rows_are_checked_both_ways(llm: LLM) -> None:
+def test_sampled_rows_are_checked_both_ways(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled rows alone: the check lets some choices through and refuses others, and the
+    tokens equal masking first."""
     counts = llm.engine_core.structured.check_counts
     checked, refused = counts.checked, counts.refused
     a = llm.tokenizer.convert_tokens_to_ids("a")
     params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16, logit_bias={a: 12.0},
+                             top_k=llm.engine_core.vocab_size if s % 2 else -1,  # both "off"
                              structured_outputs=SPECS["regex"]) for s in range(4)]
-    outs = llm.generate(prompts(4, seed=41), params, use_tqdm=False)
+    p = prompts(4, seed=41)
+    outs = llm.generate(p, params, use_tqdm=False)
     assert all(valid(SPECS["regex"], o.outputs[0].text) for o in outs)
     checked, refused = counts.checked - checked, counts.refused - refused
     assert checked >= sum(len(o.outputs[0].token_ids) for o in outs) and 0 < refused < checked
+    monkeypatch.setattr(llm.engine_core, "check_unmasked", False)
+    masked = llm.generate(p, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in masked] == [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])

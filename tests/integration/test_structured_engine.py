@@ -256,14 +256,14 @@ def test_every_way_of_filling_and_applying_gives_the_same_tokens(
     assert manager.check_counts.checked > checked
 
 
-@pytest.mark.parametrize("mode", ["here", "fill-thread", "greedy-check"])
+@pytest.mark.parametrize("mode", ["here", "fill-thread", "argmax-check"])
 def test_a_fill_that_fails_fails_the_step_and_the_next_step_runs(
         llm: LLM, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
     """Filled before the forward, in the fill thread, or for a greedy row whose unmasked
     choice the grammar refused (inside the sampler)."""
     manager = llm.engine_core.structured
     monkeypatch.setattr(llm.engine_core, "fill_in_thread", mode == "fill-thread")
-    monkeypatch.setattr(llm.engine_core, "check_unmasked", mode == "greedy-check")
+    monkeypatch.setattr(llm.engine_core, "check_unmasked", mode == "argmax-check")
     refused = manager.check_counts.refused
     fill = manager._fill
 
@@ -273,7 +273,7 @@ def test_a_fill_that_fails_fails_the_step_and_the_next_step_runs(
     monkeypatch.setattr(manager, "_fill", broken)
     with pytest.raises(RuntimeError, match="fill broke"):
         llm.generate(prompts(1, seed=3), [constrained(SPECS["regex"])], use_tqdm=False)
-    assert (manager.check_counts.refused > refused) == (mode == "greedy-check")
+    assert (manager.check_counts.refused > refused) == (mode == "argmax-check")
     monkeypatch.setattr(manager, "_fill", fill)
     core = llm.engine_core
     core.abort_requests(list(core.scheduler.requests))

@@ -198,6 +198,11 @@ def test_check_gives_the_argmax_of_the_masked_logits() -> None:
     refused = [i for i, r in enumerate(rows) if int(logits[r].argmax()) not in allowed[i]]
     assert fills == [len(refused)] and 0 < len(refused) < len(rows)  # one fill, refused rows only
     assert (counts.checked, counts.refused) == (len(rows), len(refused))
+    some = [(4, rows[4]), (1, rows[1]), (2, rows[2])]  # a subset, out of order: i is not the place
+    subset = check.tokens(logits, logits.argmax(dim=-1), some)
+    unchecked = [r for r in range(n) if r not in {row for _, row in some}]
+    assert subset[unchecked].tolist() == logits.argmax(dim=-1)[unchecked].tolist()
+    assert [int(subset[row]) for _, row in some] == [int(want[row]) for _, row in some]
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 64, 1000, VOCAB])
