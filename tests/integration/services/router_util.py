@@ -16,23 +16,37 @@ from services.router.edge import uvicorn_config
 
 
 class ServedRouter:
-    """The router app (or any ASGI app) under uvicorn in a background thread (its own event loop)."""
+    """The router app (or any ASGI app) under uvicorn in a background thread (its own event loop).
+    A port taken between `free_port` and the bind (another test process under `make test`'s
+    two) is retried on a new port."""
+
+    BIND_TRIES = 5
 
     def __init__(self, config: RouterConfig | Any) -> None:
+        self.config = config
+        self.router = config if isinstance(config, RouterConfig) else RouterConfig(model="m", tokenizer="m")
+        self._make()
+
+    def _make(self) -> None:
+        """A new port and server; a new router app too (a failed start ran its lifespan)."""
         self.port = free_port()
-        router = config if isinstance(config, RouterConfig) else RouterConfig(model="m", tokenizer="m")
-        app = create_app(config) if isinstance(config, RouterConfig) else config
-        self.server = uvicorn.Server(uvicorn_config(app, router, host="127.0.0.1", port=self.port))
+        app = create_app(self.config) if isinstance(self.config, RouterConfig) else self.config
+        self.server = uvicorn.Server(uvicorn_config(app, self.router, host="127.0.0.1",
+                                                    port=self.port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> ServedRouter:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "router did not start"
-            assert self.thread.is_alive(), "router thread died"
-            time.sleep(0.02)
-        return self
+        for attempt in range(self.BIND_TRIES):
+            self.thread.start()
+            deadline = time.monotonic() + 30
+            while not self.server.started and self.thread.is_alive():
+                assert time.monotonic() < deadline, "router did not start"
+                time.sleep(0.02)
+            if self.server.started:
+                return self
+            if attempt + 1 < self.BIND_TRIES:  # died before serving: most likely the bind
+                self._make()
+        raise AssertionError(f"router thread died {self.BIND_TRIES} times (last port {self.port})")
 
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
