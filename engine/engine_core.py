@@ -138,11 +138,10 @@ class EngineCore:
                                            in_thread=self.fill_in_thread)
         check = None
         if checked:
-            matchers = self._matchers(checked)
-            assert all(isinstance(m, XgrammarMatcher) for m in matchers)
+            matchers = [m for m in self._matchers(checked) if isinstance(m, XgrammarMatcher)]
+            assert len(matchers) == len(checked)  # (_checkable)
             check = self.structured.argmax_check(
-                checked, [requests[r].sampling_params.is_greedy for r in checked],
-                [m for m in matchers if isinstance(m, XgrammarMatcher)])
+                checked, [requests[r].sampling_params.is_greedy for r in checked], matchers)
         return GrammarBitmask(filled, pending, check)
 
     def _checkable(self, request: Request) -> bool:

@@ -4,7 +4,7 @@ A request with `structured_outputs` waits in `waiting_for_fsm` (status WAITING_F
 its grammar compiles in the structured-output manager's threads; other requests run meanwhile.
 Once compiled it joins the waiting queue, its matcher advanced over the sample's earlier outputs
 (the prefill worker's first token on a decode worker). Each step the scheduler lists the
-constrained requests that sample (the engine fills their bitmask rows, or checks a greedy
+constrained requests that sample (the engine fills their bitmask rows, or checks an argmax
 row's choice first), and after the step
 advances each matcher by the sampled tokens: a request whose grammar ended stops (`stop`).
 """

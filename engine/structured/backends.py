@@ -1,7 +1,7 @@
 """The two grammar backends behind one interface: compile a spec once, make a matcher per request.
 
 A matcher's `accept_tokens` / `is_terminated` are plain Python (the scheduler calls them), as is
-xgrammar's `allows` (the step's check of a greedy row's unmasked choice); only the bitmask fill
+xgrammar's `allows` (the step's check of an argmax row's unmasked choice); only the bitmask fill
 touches a tensor (the manager calls it, between scheduling and sampling).
 """
 

@@ -108,10 +108,15 @@ def masked_argmax(logits: torch.Tensor, bitmask: torch.Tensor) -> int:
 
 def allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[words] int32 -> the allowed token ids below vocab_size, ascending (int64, CPU)."""
+    bits = unpacked_bits(bitmask.cpu()[None])[0]
+    return torch.from_numpy(np.flatnonzero(bits[:vocab_size]))
+
+
+def unpacked_bits(bitmask: torch.Tensor) -> np.ndarray:
+    """[rows, words] int32 (CPU) -> [rows, words * 32] uint8, 1 where allowed."""
     if sys.byteorder == "little":  # bit t % 32 of word t // 32 is bit t % 8 of byte t // 8
-        bits = np.unpackbits(bitmask.cpu().contiguous().numpy().view(np.uint8), bitorder="little")
-        return torch.from_numpy(np.flatnonzero(bits[:vocab_size]))
-    return allowed_mask(bitmask.cpu()[None], vocab_size)[0].nonzero().flatten()
+        return np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+    return allowed_mask(bitmask, bitmask.shape[1] * 32).numpy().view(np.uint8)
 
 
 @dataclass
@@ -140,10 +145,7 @@ def additive_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     masking them does (x + 0.0 == x; a -0.0 logit becomes +0.0, equal in every comparison and
     in softmax)."""
     rows, words = bitmask.shape
-    if sys.byteorder == "little":  # bit t % 32 of word t // 32 is bit t % 8 of byte t // 8
-        bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
-    else:
-        bits = allowed_mask(bitmask, words * 32).numpy().view(np.uint8)
+    bits = unpacked_bits(bitmask)
     out = np.full((rows, vocab_size), -np.inf, dtype=np.float32)
     width = min(vocab_size, words * 32)
     with np.errstate(divide="ignore"):
