@@ -246,7 +246,7 @@ class Dispatcher:
                 break
             worker = pick.worker
             tried.add(worker.target)
-            self.prefill.acquire(worker, hashes)
+            lease = self.prefill.acquire(worker, hashes)
             done = False
             try:
                 async with aclosing(self._prefill_on(worker, request_id, prompt_ids, params, priority,
@@ -266,7 +266,7 @@ class Dispatcher:
                 logger.warning("prefill of %s failed on %s: %s", request_id, worker.target, e.message)
                 continue
             finally:
-                self.prefill.release(worker)
+                self.prefill.release(lease, len(prompt_ids))
             if done:
                 return
         self._on_decision("fallback")
@@ -321,7 +321,7 @@ class Dispatcher:
         if remaining <= 0:
             raise WorkerError(worker.target, "timeout", "the sample's decode deadline passed")
         rid, ids = sample.next_call()
-        self.decode.acquire(worker, sample.hashes)
+        lease = self.decode.acquire(worker, sample.hashes)
         try:
             # prompt logprobs come from the call that computes the first token, once
             params = replace(sample.params, prompt_logprobs=None) if sample.generated else sample.params
@@ -353,7 +353,7 @@ class Dispatcher:
             finally:
                 self.inflight.discard(attempt)
         finally:
-            self.decode.release(worker)
+            self.decode.release(lease, len(sample.prompt_ids) + len(sample.generated))
 
     async def _migration_target(self, sample: _Sample) -> WorkerState:
         """A serving worker on which the sample has not failed (or one it failed on, once a load

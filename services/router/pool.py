@@ -92,13 +92,21 @@ class WorkerState:
     last_error: str = ""
     instance: str = ""  # the worker process's instance id, from its reports
     reported_at: float = -math.inf  # monotonic time of its last load report
+    reports: int = 0  # load reports received (a request's lease remembers the count at dispatch)
+    freed_since_report: int = 0  # tokens of requests the last report counted that ended since
 
     def held_tokens(self, block_size: int, prompt_tokens: int) -> int:
         """Work the worker holds, in tokens: its KV blocks in use, and a prompt's worth for each
-        request queued there or sent since its last report (those hold no blocks yet)."""
+        request queued there or sent since its last report (those hold no blocks yet). Requests
+        the last report counted that have ended since are taken off: a report taken while one
+        request ran would otherwise make an idle worker look busy until the next report, and
+        send the next request sharing its prefix elsewhere."""
         load = self.load
-        used = (int(load.num_total_blocks) - int(load.num_free_blocks)) * block_size if load else 0
-        return used + self.waiting * prompt_tokens
+        reported = 0
+        if load is not None:
+            used = (int(load.num_total_blocks) - int(load.num_free_blocks)) * block_size
+            reported = max(0, used + int(load.num_waiting) * prompt_tokens - self.freed_since_report)
+        return reported + self.unreported * prompt_tokens
 
     @property
     def target(self) -> str:
@@ -198,6 +206,7 @@ class WorkerPool:
                 self._set_unhealthy(w, f"load report failed: {_describe(e)}", down=is_down(e))
             return
         w.load, w.sent_since_report, w.missed_reports = load, 0, 0
+        w.reports, w.freed_since_report = w.reports + 1, 0
         w.reported_at = time.monotonic()
         if load.instance_id != w.instance:
             if w.instance:
@@ -295,15 +304,31 @@ class WorkerPool:
         w = min(cands, key=cost)
         return Pick(w, matches[w.target])
 
-    def acquire(self, w: WorkerState, hashes: Sequence[int] = ()) -> None:
+    def acquire(self, w: WorkerState, hashes: Sequence[int] = ()) -> Lease:
+        """Counts a request sent to `w`; `release` it with the lease when it ends."""
         w.inflight += 1
         w.requests += 1
         w.sent_since_report += 1
         if hashes:
             w.prefix.insert(hashes)
+        return Lease(w, w.reports)
 
-    def release(self, w: WorkerState) -> None:
+    def release(self, lease: Lease, tokens: int = 0) -> None:
+        """The request ended, holding `tokens` tokens of KV (prompt and output) on the worker.
+        When a load report came after it was sent, that report counted it (running or queued):
+        its blocks come off the worker's held work until the next report."""
+        w = lease.worker
         w.inflight -= 1
+        if w.reports > lease.reports and tokens > 0:
+            bs = self.options.block_size
+            w.freed_since_report += -(-tokens // bs) * bs
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A request sent to a worker: the worker and how many load reports it had sent by then."""
+    worker: WorkerState
+    reports: int
 
 
 def is_down(error: BaseException) -> bool:
