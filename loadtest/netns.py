@@ -33,6 +33,8 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from services.child import child_argv
+
 PREFIX = "pdmh"
 SUBNET = "10.231.{n}.0/24"
 LOCK_FILE = "/run/pdmh.lock"  # subnet choice of concurrent runs
@@ -156,9 +158,9 @@ class Hosts:
         tmpfs stays invisible outside) with its own tmpfs on /dev/shm; waits until it is there."""
         script = (f"mount -t tmpfs -o size={SHM_SIZE},mode=1777 tmpfs /dev/shm && echo ready "
                   f"&& exec sleep infinity")
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation",
-                                 "private", "sh", "-c", script], stdout=subprocess.PIPE,
-                                preexec_fn=_die_with_parent)
+        holder = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private", "sh",
+                  "-c", script]  # SIGKILL when this process dies; no preexec_fn (services/child.py)
+        proc = subprocess.Popen(child_argv(holder, signal.SIGKILL), stdout=subprocess.PIPE)
         self._holders.append(proc)
         assert proc.stdout is not None
         line = proc.stdout.readline()  # bounded: the script prints or exits (EOF)
@@ -189,13 +191,6 @@ class Hosts:
         if self._rule is not None:
             subprocess.run(["iptables", "-D", *self._rule], capture_output=True)
         self._holders, self._veths, self._netns, self.hosts, self._rule = [], [], [], [], None
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvstore.ports import PortInUseError, listen, port_free, port_in_use_message
+from services.child import child_argv
 
 INSTANCE_ENV = "PDSERVE_INSTANCE_ID"
 PORT_RANGE = (20000, 32767)  # below the ephemeral range (32768..60999 on Linux)
@@ -54,25 +55,13 @@ def cli(*args: str) -> list[str]:
 
 def spawn(argv: list[str], env: Mapping[str, str] | None = None, cpus: set[int] | None = None,
           instance: str | None = None, **popen: object) -> subprocess.Popen[bytes]:
-    """Starts `argv` (see the module docstring)."""
+    """Starts `argv` (see the module docstring) through `services.child`, which sets the death
+    signal and the CPUs (its children, the engine core, inherit them) and execs `argv`: no
+    preexec_fn, whose fork would run gRPC's fork handlers in the child (services/child.py)."""
     child_env = dict(os.environ if env is None else env)
     child_env[INSTANCE_ENV] = instance or new_instance_id()
-
-    def setup() -> None:
-        _die_with_parent()
-        if cpus:
-            os.sched_setaffinity(0, cpus)  # its children (the engine core) inherit it
-
-    return subprocess.Popen(argv, preexec_fn=setup, env=child_env, **popen)  # type: ignore[call-overload]
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    return subprocess.Popen(child_argv(argv, signal.SIGTERM, cpus), env=child_env,  # type: ignore[call-overload]
+                            **popen)
 
 
 def check_ports_free(host: str, ports: Mapping[int, str]) -> None:
