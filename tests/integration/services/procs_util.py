@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import time
-import warnings
 from pathlib import Path
 
 import psutil
@@ -38,24 +37,11 @@ class Proc:
 
     def wait_ready(self, timeout_s: float = 120) -> Proc:
         deadline = time.monotonic() + timeout_s
-        respawned = False
         while not self._ready(self.instance):  # type: ignore[operator]
-            if self.proc.poll() == -signal.SIGABRT and not respawned and self._grpc_epoll_abort():
-                # A rare gRPC abort at start-up (its poller's epoll fd gone: "epoll_wait error: Bad
-                # file descriptor"; cause not found yet). `pdserve up` restarts such a process; so
-                # does this fixture, once, and says so, instead of failing an unrelated test.
-                warnings.warn(f"{self.argv[3:5]} aborted in gRPC's poller at start-up; restarted",
-                              stacklevel=2)
-                respawned = True
-                self._spawn()
-                continue
             assert self.proc.poll() is None, f"{self.argv[3:5]} exited with {self.proc.returncode}"
             assert time.monotonic() < deadline, f"{self.target} not ready after {timeout_s} s"
             time.sleep(0.1)
         return self
-
-    def _grpc_epoll_abort(self) -> bool:
-        return self.log is not None and "epoll_wait error" in self.log.read_text(errors="replace")
 
     def signal(self, sig: int) -> None:
         os.kill(self.pid, sig)
