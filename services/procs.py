@@ -14,8 +14,10 @@ actuator share.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +62,11 @@ def spawn(argv: list[str], env: Mapping[str, str] | None = None, cpus: set[int] 
     preexec_fn, whose fork would run gRPC's fork handlers in the child (services/child.py)."""
     child_env = dict(os.environ if env is None else env)
     child_env[INSTANCE_ENV] = instance or new_instance_id()
+    program, cwd = argv[0], popen.get("cwd")
+    if os.sep in program and cwd is not None:
+        program = os.path.join(str(cwd), program)  # relative to the child's directory
+    if shutil.which(program, path=child_env.get("PATH", os.defpath)) is None:
+        raise FileNotFoundError(errno.ENOENT, "no such program", argv[0])  # as Popen says it
     return subprocess.Popen(child_argv(argv, signal.SIGTERM, cpus), env=child_env,  # type: ignore[call-overload]
                             **popen)
 

@@ -266,7 +266,7 @@ class Dispatcher:
                 logger.warning("prefill of %s failed on %s: %s", request_id, worker.target, e.message)
                 continue
             finally:
-                self.prefill.release(lease, len(prompt_ids))
+                self.prefill.release(lease, len(prompt_ids) if done else 0)
             if done:
                 return
         self._on_decision("fallback")

@@ -92,8 +92,12 @@ class WorkerState:
     last_error: str = ""
     instance: str = ""  # the worker process's instance id, from its reports
     reported_at: float = -math.inf  # monotonic time of its last load report
-    reports: int = 0  # load reports received (a request's lease remembers the count at dispatch)
-    freed_since_report: int = 0  # tokens of requests the last report counted that ended since
+    # What the last report counted: the requests dispatched before it was asked for (a lease
+    # carries its dispatch number), and the KV tokens of those that ended after that ask.
+    counted_upto: int = 0
+    freed_since_report: int = 0
+    asking_upto: int | None = None  # the report being asked for (None: none in flight)
+    freed_since_ask: int = 0
 
     def held_tokens(self, block_size: int, prompt_tokens: int) -> int:
         """Work the worker holds, in tokens: its KV blocks in use, and a prompt's worth for each
@@ -197,16 +201,23 @@ class WorkerPool:
         await asyncio.gather(*(self._refresh_one(w) for w in self.workers))
 
     async def _refresh_one(self, w: WorkerState) -> None:
+        # The report counts what was dispatched before this ask (more, perhaps, not less): the
+        # requests sent and ended while it is in flight are accounted as if it came at once.
+        asked = w.asking_upto = w.requests
+        w.freed_since_ask = 0
         try:
             load = await asyncio.wait_for(w.client.load(), self.options.load_timeout_s)
         except (WorkerError, TimeoutError) as e:
+            w.asking_upto = None
             w.missed_reports += 1
             # Unreachable: at once. Slow (a busy worker answers late): after a few in a row.
             if is_down(e) or w.missed_reports >= self.options.missed_reports_unhealthy:
                 self._set_unhealthy(w, f"load report failed: {_describe(e)}", down=is_down(e))
             return
-        w.load, w.sent_since_report, w.missed_reports = load, 0, 0
-        w.reports, w.freed_since_report = w.reports + 1, 0
+        w.load, w.missed_reports = load, 0
+        w.sent_since_report = w.requests - asked
+        w.counted_upto, w.freed_since_report = asked, w.freed_since_ask
+        w.asking_upto, w.freed_since_ask = None, 0
         w.reported_at = time.monotonic()
         if load.instance_id != w.instance:
             if w.instance:
@@ -305,30 +316,41 @@ class WorkerPool:
         return Pick(w, matches[w.target])
 
     def acquire(self, w: WorkerState, hashes: Sequence[int] = ()) -> Lease:
-        """Counts a request sent to `w`; `release` it with the lease when it ends."""
+        """Counts a request sent to `w` whose prompt's block hashes are `hashes`; `release` it
+        with the lease when it ends."""
         w.inflight += 1
         w.requests += 1
         w.sent_since_report += 1
+        matched = 0
         if hashes:
+            matched = w.prefix.match(hashes)
             w.prefix.insert(hashes)
-        return Lease(w, w.reports)
+        return Lease(w, w.requests, matched)
 
     def release(self, lease: Lease, tokens: int = 0) -> None:
-        """The request ended, holding `tokens` tokens of KV (prompt and output) on the worker.
-        When a load report came after it was sent, that report counted it (running or queued):
-        its blocks come off the worker's held work until the next report."""
+        """The request ended, having held `tokens` tokens of KV (prompt and output) on the worker
+        (0: it never ran there). When a load report counted it (dispatched before that report
+        was asked for), its own blocks come off the worker's held work until the next report:
+        whole blocks, less the prefix it found cached (which other requests may still use)."""
         w = lease.worker
         w.inflight -= 1
-        if w.reports > lease.reports and tokens > 0:
-            bs = self.options.block_size
-            w.freed_since_report += -(-tokens // bs) * bs
+        if tokens <= 0:
+            return
+        bs = self.options.block_size
+        own = max(0, -(-tokens // bs) * bs - lease.matched_tokens)
+        if lease.number <= w.counted_upto:
+            w.freed_since_report += own
+        if w.asking_upto is not None and lease.number <= w.asking_upto:
+            w.freed_since_ask += own
 
 
 @dataclass(frozen=True)
 class Lease:
-    """A request sent to a worker: the worker and how many load reports it had sent by then."""
+    """A request sent to a worker: the worker, the request's dispatch number there (its
+    `requests` count), and the prompt tokens it likely found cached."""
     worker: WorkerState
-    reports: int
+    number: int
+    matched_tokens: int = 0
 
 
 def is_down(error: BaseException) -> bool:

@@ -21,6 +21,7 @@ from services.child import child_argv
 from services.procs import spawn
 
 PY = sys.executable
+LAUNCHER = child_argv([], death_signal=None)[:-1]  # python -I .../services/child.py
 
 
 def test_the_child_runs_argv_in_its_own_pid_with_the_given_env() -> None:
@@ -67,18 +68,45 @@ def test_the_child_gets_sigterm_when_its_launcher_is_sigkilled(tmp_path: Path) -
 
 
 def test_a_launcher_that_is_gone_already_runs_nothing_and_bad_arguments_fail() -> None:
-    # Its parent is this process, not pid 1: as if the launcher died before the prctl.
-    gone = subprocess.run([PY, "-m", "services.child", "--parent", "1", "--", "sh", "-c", "echo ran"],
+    # Its parent is this process, not the (ended) process named: as if that one had died
+    # before the prctl.
+    ended = subprocess.Popen(["true"])
+    ended.wait(timeout=30)
+    gone = subprocess.run([*LAUNCHER, "--parent", str(ended.pid), "--", "sh", "-c", "echo ran"],
                           capture_output=True, text=True, timeout=30)
     assert gone.returncode == 1 and "ran" not in gone.stdout
-    nothing = subprocess.run([PY, "-m", "services.child", "--"], capture_output=True, text=True, timeout=30)
+    nothing = subprocess.run([*LAUNCHER, "--"], capture_output=True, text=True, timeout=30)
     assert nothing.returncode == 2 and "nothing to run" in nothing.stderr
-    bad = subprocess.run([PY, "-m", "services.child", "--parent", str(os.getpid()), "--signal", "NOPE",
-                          "--", "true"], capture_output=True, text=True, timeout=30)
+    bad = subprocess.run([*LAUNCHER, "--parent", str(os.getpid()), "--signal", "NOPE", "--", "true"],
+                         capture_output=True, text=True, timeout=30)
     assert bad.returncode == 2 and "unknown signal 'NOPE'" in bad.stderr
     missing = subprocess.run(child_argv(["/nonexistent/program"]), capture_output=True, text=True,
                              timeout=30)
     assert missing.returncode == 127 and "cannot run /nonexistent/program" in missing.stderr
+    with pytest.raises(FileNotFoundError, match="no-such-program"):  # spawn says it at once, as Popen
+        spawn(["no-such-program"])
+    with pytest.raises(FileNotFoundError):
+        spawn(["./true"], cwd="/")
+
+
+def test_the_child_has_popens_signal_dispositions_and_inherits_passed_fds() -> None:
+    """Python's start-up ignores SIGPIPE and SIGXFSZ, and ignored signals survive exec: the
+    launcher gives them back their defaults (a pipeline's writer dies quietly, as usual)."""
+    ignored = "grep SigIgn /proc/self/status"
+    plain = subprocess.run(["sh", "-c", ignored], capture_output=True, text=True, timeout=30).stdout
+    proc = spawn(["sh", "-c", ignored], stdout=subprocess.PIPE)
+    assert proc.communicate(timeout=30)[0].decode() == plain
+    proc = spawn(["sh", "-c", "yes | head -1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=30)
+    assert (out, err) == (b"y\n", b"")  # no "Broken pipe" from yes
+    r, w = os.pipe()
+    try:
+        proc = spawn([PY, "-c", f"import os; os.write({w}, b'through')"], pass_fds=(w,))
+        assert proc.wait(timeout=30) == 0
+        assert os.read(r, 100) == b"through"
+    finally:
+        os.close(r)
+        os.close(w)
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@ prefix-aware policies over fabricated load reports, saturation, health marking."
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from protos import worker_pb2 as pb
@@ -101,7 +103,7 @@ async def test_a_request_that_ended_after_the_report_does_not_send_its_prefix_el
     try:
         lease = pool.acquire(cached, hashes)
         await pool.refresh()  # taken while the request runs: 5 blocks in use
-        assert (cached.reports, cached.held_tokens(16, 62)) == (1, 80)
+        assert cached.held_tokens(16, 62) == 80
         pick = pool.pick(hashes, prompt_tokens=62)  # 80 held > 48 saved: the idle worker
         assert pick is not None and pick.worker is idle
         pool.release(lease, tokens=62 + 2)  # ended with 2 output tokens: 4 blocks
@@ -121,6 +123,63 @@ async def test_a_request_that_ended_after_the_report_does_not_send_its_prefix_el
         assert cached.held_tokens(16, 62) == 62
         pool.release(lease, tokens=200)
         assert cached.held_tokens(16, 62) == 0
+    finally:
+        await pool.close()
+
+
+async def test_ended_requests_take_off_their_own_blocks_only() -> None:
+    """Blocks of a prefix the request found cached may be used by others still running: its end
+    takes off its own blocks only. A request that never ran there (a failed prefill: 0 tokens)
+    takes off nothing."""
+    pool = await make_pool("prefix_aware", [(0, 0)])
+    w = pool.workers[0]
+    system = list(range(48))
+    first, second = [*system, *range(100, 114)], [*system, *range(200, 214)]  # 62 tokens each
+    reports = [report(0, 2, used_blocks=3 + 1 + 1)]  # the shared 3 blocks + 1 own block each
+    w.client.load = lambda: _answer(reports[-1])  # type: ignore[method-assign]
+    try:
+        a = pool.acquire(w, block_hashes(first, 16))
+        b = pool.acquire(w, block_hashes(second, 16))
+        assert (a.matched_tokens, b.matched_tokens) == (0, 48)
+        failed = pool.acquire(w, block_hashes(second, 16))
+        await pool.refresh()
+        assert w.held_tokens(16, 62) == 80
+        pool.release(failed, tokens=0)
+        assert w.held_tokens(16, 62) == 80
+        pool.release(b, tokens=62)  # its own block only: the system prompt is still in use
+        assert w.held_tokens(16, 62) == 64
+        pool.release(a, tokens=62)  # 4 blocks, all its own
+        assert w.held_tokens(16, 62) == 0
+    finally:
+        await pool.close()
+
+
+async def test_requests_sent_or_ended_while_a_report_is_in_flight() -> None:
+    """The report counts what was dispatched before it was asked for: a request sent while it is
+    in flight stays a prompt's worth beside it and takes nothing off when it ends; one that the
+    report counted and that ended while it was in flight is taken off once it arrives."""
+    pool = await make_pool("prefix_aware", [(0, 0)])
+    w = pool.workers[0]
+    answer: asyncio.Future[pb.LoadReport] = asyncio.get_running_loop().create_future()
+
+    async def load() -> pb.LoadReport:
+        return await answer
+
+    w.client.load = load  # type: ignore[method-assign]
+    hashes = block_hashes(list(range(64)), 16)
+    try:
+        counted = pool.acquire(w, hashes)  # running when the report is taken
+        asking = asyncio.create_task(pool.refresh())
+        while w.asking_upto is None:  # the report is asked for
+            await asyncio.sleep(0)
+        late = pool.acquire(w, block_hashes(list(range(500, 564)), 16))  # sent while it flies
+        pool.release(counted, tokens=64)  # ended while it flies
+        answer.set_result(report(0, 1, used_blocks=4))  # the worker saw the first request only
+        await asking
+        assert (w.sent_since_report, w.unreported) == (1, 1)
+        assert w.held_tokens(16, 64) == 64 - 64 + 64  # its 4 blocks off, the late one's prompt on
+        pool.release(late, tokens=64)  # not in the report: nothing taken off
+        assert w.held_tokens(16, 64) == 0
     finally:
         await pool.close()
 
