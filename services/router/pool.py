@@ -92,11 +92,12 @@ class WorkerState:
     last_error: str = ""
     instance: str = ""  # the worker process's instance id, from its reports
     reported_at: float = -math.inf  # monotonic time of its last load report
-    # What the last report counted: the requests dispatched before it was asked for (a lease
-    # carries its dispatch number), and the KV tokens of those that ended after that ask.
+    # What the last report may have counted: every request dispatched before it arrived (a
+    # lease carries its dispatch number; the worker computes the report at some moment between
+    # the ask and the answer), and the KV tokens of those that ended after it was asked for.
     counted_upto: int = 0
     freed_since_report: int = 0
-    asking_upto: int | None = None  # the report being asked for (None: none in flight)
+    asking: bool = False  # a report is in flight
     freed_since_ask: int = 0
 
     def held_tokens(self, block_size: int, prompt_tokens: int) -> int:
@@ -201,23 +202,22 @@ class WorkerPool:
         await asyncio.gather(*(self._refresh_one(w) for w in self.workers))
 
     async def _refresh_one(self, w: WorkerState) -> None:
-        # The report counts what was dispatched before this ask (more, perhaps, not less): the
-        # requests sent and ended while it is in flight are accounted as if it came at once.
-        asked = w.asking_upto = w.requests
-        w.freed_since_ask = 0
+        # Requests that end while the report is in flight may still be in it: their KV comes
+        # off once it arrives (a request that ended after the worker computed it comes off too:
+        # an underestimate until the next report, never an idle worker that looks busy).
+        w.asking, w.freed_since_ask = True, 0
         try:
             load = await asyncio.wait_for(w.client.load(), self.options.load_timeout_s)
         except (WorkerError, TimeoutError) as e:
-            w.asking_upto = None
+            w.asking = False
             w.missed_reports += 1
             # Unreachable: at once. Slow (a busy worker answers late): after a few in a row.
             if is_down(e) or w.missed_reports >= self.options.missed_reports_unhealthy:
                 self._set_unhealthy(w, f"load report failed: {_describe(e)}", down=is_down(e))
             return
-        w.load, w.missed_reports = load, 0
-        w.sent_since_report = w.requests - asked
-        w.counted_upto, w.freed_since_report = asked, w.freed_since_ask
-        w.asking_upto, w.freed_since_ask = None, 0
+        w.load, w.sent_since_report, w.missed_reports = load, 0, 0
+        w.counted_upto, w.freed_since_report = w.requests, w.freed_since_ask
+        w.asking, w.freed_since_ask = False, 0
         w.reported_at = time.monotonic()
         if load.instance_id != w.instance:
             if w.instance:
@@ -321,17 +321,14 @@ class WorkerPool:
         w.inflight += 1
         w.requests += 1
         w.sent_since_report += 1
-        matched = 0
-        if hashes:
-            matched = w.prefix.match(hashes)
-            w.prefix.insert(hashes)
-        return Lease(w, w.requests, matched)
+        return Lease(w, w.requests, w.prefix.insert(hashes) if hashes else 0)
 
     def release(self, lease: Lease, tokens: int = 0) -> None:
         """The request ended, having held `tokens` tokens of KV (prompt and output) on the worker
-        (0: it never ran there). When a load report counted it (dispatched before that report
-        was asked for), its own blocks come off the worker's held work until the next report:
-        whole blocks, less the prefix it found cached (which other requests may still use)."""
+        (0: it never ran there). When the last load report may have counted it (it was
+        dispatched before that report arrived), or a report is in flight, its own blocks come
+        off the worker's held work until the next report: whole blocks, less the prefix it found
+        cached (which other requests may still use)."""
         w = lease.worker
         w.inflight -= 1
         if tokens <= 0:
@@ -340,7 +337,7 @@ class WorkerPool:
         own = max(0, -(-tokens // bs) * bs - lease.matched_tokens)
         if lease.number <= w.counted_upto:
             w.freed_since_report += own
-        if w.asking_upto is not None and lease.number <= w.asking_upto:
+        if w.asking:
             w.freed_since_ask += own
 
 

@@ -46,13 +46,18 @@ class PrefixIndex:
             n += 1
         return n * self.block_size
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Records a prompt sent to this worker (its blocks become the most recently used)."""
+    def insert(self, hashes: Sequence[int]) -> int:
+        """Records a prompt sent to this worker (its blocks become the most recently used);
+        returns what `match` would have returned before."""
+        matched, leading = 0, True
         for h in hashes:
+            leading = leading and h in self._blocks
+            matched += leading
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)
+        return matched * self.block_size
 
     def clear(self) -> None:
         """Forgets everything (the worker restarted or was marked unhealthy)."""

@@ -23,12 +23,13 @@ def test_block_hashes_chain_over_full_blocks_only() -> None:
 
 def test_prefix_index_matches_leading_blocks_and_forgets_the_oldest() -> None:
     idx = PrefixIndex(block_size=4, max_blocks=3)
-    idx.insert(block_hashes(list(range(8)), 4))  # 2 blocks
+    assert idx.insert(block_hashes(list(range(8)), 4)) == 0  # 2 blocks, none there before
     assert idx.match(block_hashes(list(range(12)), 4)) == 8
     assert idx.match(block_hashes([5, *range(1, 12)], 4)) == 0
-    idx.insert(block_hashes([7, 7, 7, 7, 8, 8, 8, 8], 4))  # 2 more: the oldest block goes
+    assert idx.insert(block_hashes([*range(4), 9, 9, 9, 9], 4)) == 4  # its first block was there
+    idx.insert(block_hashes([7, 7, 7, 7, 8, 8, 8, 8], 4))  # 2 more: the oldest blocks go
     assert len(idx) == 3
-    assert idx.match(block_hashes(list(range(8)), 4)) == 0  # its first block was evicted
+    assert idx.match(block_hashes(list(range(8)), 4)) == 0  # its blocks were evicted (the oldest)
     idx.clear()
     assert len(idx) == 0
 
@@ -155,9 +156,11 @@ async def test_ended_requests_take_off_their_own_blocks_only() -> None:
 
 
 async def test_requests_sent_or_ended_while_a_report_is_in_flight() -> None:
-    """The report counts what was dispatched before it was asked for: a request sent while it is
-    in flight stays a prompt's worth beside it and takes nothing off when it ends; one that the
-    report counted and that ended while it was in flight is taken off once it arrives."""
+    """The worker computes a report at some moment between the ask and the answer, so it may
+    count every request dispatched before it arrives (the rule that keeps an idle worker from
+    looking busy: asked before the first request was sent, a report computed while it ran made
+    the flaky CI test fail again under load). A request that ended while the report was in
+    flight comes off once it arrives; one sent while it flew comes off when it ends."""
     pool = await make_pool("prefix_aware", [(0, 0)])
     w = pool.workers[0]
     answer: asyncio.Future[pb.LoadReport] = asyncio.get_running_loop().create_future()
@@ -166,20 +169,23 @@ async def test_requests_sent_or_ended_while_a_report_is_in_flight() -> None:
         return await answer
 
     w.client.load = load  # type: ignore[method-assign]
-    hashes = block_hashes(list(range(64)), 16)
     try:
-        counted = pool.acquire(w, hashes)  # running when the report is taken
         asking = asyncio.create_task(pool.refresh())
-        while w.asking_upto is None:  # the report is asked for
+        while not w.asking:  # the report is asked for
             await asyncio.sleep(0)
-        late = pool.acquire(w, block_hashes(list(range(500, 564)), 16))  # sent while it flies
-        pool.release(counted, tokens=64)  # ended while it flies
-        answer.set_result(report(0, 1, used_blocks=4))  # the worker saw the first request only
+        first = pool.acquire(w, block_hashes(list(range(64)), 16))  # sent after the ask...
+        late = pool.acquire(w, block_hashes(list(range(500, 564)), 16))
+        pool.release(first, tokens=64)  # ...and ended while it flies
+        answer.set_result(report(0, 2, used_blocks=8))  # computed while both ran
         await asking
-        assert (w.sent_since_report, w.unreported) == (1, 1)
-        assert w.held_tokens(16, 64) == 64 - 64 + 64  # its 4 blocks off, the late one's prompt on
-        pool.release(late, tokens=64)  # not in the report: nothing taken off
+        assert (w.counted_upto, w.sent_since_report, w.freed_since_report) == (2, 0, 64)
+        assert w.held_tokens(16, 64) == 128 - 64  # the first one's 4 blocks off
+        pool.release(late, tokens=64)  # dispatched before the report arrived: off too
         assert w.held_tokens(16, 64) == 0
+        sent_after = pool.acquire(w, block_hashes(list(range(900, 964)), 16))
+        assert w.held_tokens(16, 64) == 64  # a prompt's worth until a report counts it
+        pool.release(sent_after, tokens=64)  # not in any report: nothing taken off
+        assert (w.freed_since_report, w.held_tokens(16, 64)) == (128, 0)
     finally:
         await pool.close()
 
