@@ -3,11 +3,23 @@ and sampled rows without top-k / top-p / min-p, give the same tokens, logprobs, 
 and errors as masking every row first, for every sampling parameter they can carry, beside rows
 that are always masked (logprobs, top-k, top-p, min-p) in one batch (llguidance's rows are
 always masked first); and both ways of a check (the grammar allows the unmasked choice: no mask;
-it refuses it: that row alone is filled) really happen, greedy and sampled."""
+it refuses it: that row alone is filled) really happen, greedy and sampled.
+
+What the check claims is exact for the same logits; it says nothing of logits computed in other
+batches. The forward is not batch-invariant bit for bit on a CPU: oneDNN's GEMM blocks by the
+number of rows, so a token's logits in a batch of 14 differ in the last bits from the same
+token's in a batch of 56 (on AVX-512 here; on another ISA other shapes). So each compared run
+must schedule the same batches (`one_schedule`): an empty prefix cache (a second run of the
+same prompts would otherwise skip their cached blocks), and every grammar admitted in the first
+step (a cold run would otherwise admit each request as its grammar compiles). Before this, the
+first run compiled while stepping and the second found every grammar and prompt cached; the
+always-masked T=1 logprobs row then differed by an ulp and sampled other tokens downstream.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from concurrent.futures import wait
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,6 +28,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.structured.manager import GrammarState
 from engine.structured.params import StructuredOutputsParams as SOP
 from tests.integration.test_structured_engine import SPECS, prompts, valid
 
@@ -27,6 +40,18 @@ def llm(tiny_model_dir: Callable[[str], Path]) -> Iterator[LLM]:
     engine = LLM(model=str(tiny_model_dir("llama")), num_threads=1)
     yield engine
     engine.shutdown()
+
+
+@pytest.fixture(autouse=True)
+def one_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request waits for its grammar when the scheduler first asks, so every request of a run
+    joins the first step: the batches no longer depend on how fast the grammar threads are."""
+
+    def ready(state: GrammarState) -> bool:
+        wait([state.future])
+        return True
+
+    monkeypatch.setattr(GrammarState, "ready", property(ready))
 
 
 def checked_and_other_rows(llm: LLM) -> list[SamplingParams]:
@@ -57,6 +82,8 @@ def checked_and_other_rows(llm: LLM) -> list[SamplingParams]:
 
 
 def run(llm: LLM, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[Any]:
+    """Generates from an empty prefix cache (with `one_schedule`: the same batches every run)."""
+    assert llm.engine_core.reset_prefix_cache()
     outs = llm.generate(prompt_ids, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, str(o.outputs[0].stop_reason),
              [{t: lp.logprob for t, lp in e.items()} for e in (o.outputs[0].logprobs or [])])
@@ -105,11 +132,13 @@ def test_sampled_rows_are_checked_both_ways(llm: LLM, monkeypatch: pytest.Monkey
                              top_k=llm.engine_core.vocab_size if s % 2 else -1,  # both "off"
                              structured_outputs=SPECS["regex"]) for s in range(4)]
     p = prompts(4, seed=41)
+    assert llm.engine_core.reset_prefix_cache()
     outs = llm.generate(p, params, use_tqdm=False)
     assert all(valid(SPECS["regex"], o.outputs[0].text) for o in outs)
     checked, refused = counts.checked - checked, counts.refused - refused
     assert checked >= sum(len(o.outputs[0].token_ids) for o in outs) and 0 < refused < checked
     monkeypatch.setattr(llm.engine_core, "check_unmasked", False)
+    assert llm.engine_core.reset_prefix_cache()
     masked = llm.generate(p, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in masked] == [o.outputs[0].token_ids for o in outs]
 
