@@ -117,8 +117,11 @@ async def test_deployments_follow_the_load_and_shrink_by_draining_the_pod_remove
             # 1. Over the targets: the Deployments in `grow` get one more pod, registered in the router.
             load = Load(client, users=6, prompt=[5, 6, 7, 8], max_tokens=16)
             loads.append(load)
-            await until(scaler, lambda: {r: len(actuator.managed(r)) for r in DEPLOYMENTS} == grown, 120,
-                        f"{grow} grown to 2")
+            # The actuator lists a new pod once it is Ready (every refresh_s), before the loop has
+            # registered it in the router and seen its first load report there: the scale-up is
+            # over when nothing is starting any more.
+            await until(scaler, lambda: {r: len(actuator.managed(r)) for r in DEPLOYMENTS} == grown
+                        and not any(scaler.starting.values()), 120, f"{grow} grown to 2")
             assert replicas() == grown
             for role in DEPLOYMENTS:
                 assert await in_router(role) == targets(fake, role)
