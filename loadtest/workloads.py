@@ -1,6 +1,7 @@
 """The load-test workloads: seeded sequences of requests (token-id prompts, output lengths).
 
-- `random`: workload A of DESIGN.md: prompts of 64..512 random token ids, 128 output tokens.
+- `random`: workload A (docs/architecture.md, "Benchmark workloads"): prompts of 64..512
+  random token ids, 128 output tokens.
 - `long-prompt`: about 10:1 input to output: mostly 256..768-token prompts with 2,048-token
   prompts among them (one in five), each answered with a tenth of its length (25..204 tokens).
 - `shared-prefix`: a few long system prompts (4 of 1,024 tokens) shared by many short questions

@@ -1,5 +1,5 @@
 """The two halves of a KV connector and the plain messages between them (vLLM's
-KVConnectorBase_V1, see DESIGN.md "KV connector").
+KVConnectorBase_V1; docs/architecture.md, "The KV connector's contract").
 
 Scheduler half (inside the scheduler; no tensors, no torch):
 - `get_num_new_matched_tokens(request, num_computed)` -> (tokens available outside beyond the
