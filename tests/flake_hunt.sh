@@ -42,7 +42,7 @@ for run in $(seq 1 "$RUNS"); do
   rc=$?
   stop_burners
   [ "$rc" = 0 ] || status=1
-  summary=$(grep -E '^=+ .*(passed|failed|error).* in ' "$log" | tail -1)
+  summary=$(grep -E '(passed|failed|error).* in [0-9.]+s' "$log" | tail -1)
   echo "run $run (burners: $BURN, $(( $(date +%s) - start )) s, rc $rc): ${summary:-no summary (see $log)}"
   grep -E '^(FAILED|ERROR) ' "$log" | sed 's/^/    /'
 done
