@@ -188,6 +188,7 @@ def _run_worker(args: argparse.Namespace) -> int:
 
     from kvstore.credentials import TLSFiles, read_secret
     from services.procs import PortInUseError
+    from services.secrets import ENGINE_CORE_DROPS, drop_from_environ
     from services.worker.auth import TOKEN_ENV, ExposedWorkerError
     from services.worker.engine_guard import GuardOptions
     from services.worker.server import WorkerOptions, serve
@@ -202,6 +203,7 @@ def _run_worker(args: argparse.Namespace) -> int:
                             served_model_name=args.served_model_name, token=read_secret(TOKEN_ENV),
                             tls=TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
                             no_auth=args.no_auth)
+    drop_from_environ(ENGINE_CORE_DROPS)  # read: the engine cores it starts do not inherit them
     try:
         return asyncio.run(serve(options))
     except (PortInUseError, ExposedWorkerError) as e:
@@ -217,7 +219,9 @@ def _add_router(subparsers: Any) -> None:
                    help="a decode (or colocated) worker (repeatable)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="the served model name")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder or hub id (default: --model)")
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest prompt + output a request may ask for (default: the smallest "
+                        "max_model_len the workers report; 4096 until one has)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill-timeout-s", type=float, default=60.0)
@@ -254,6 +258,16 @@ def _add_router(subparsers: Any) -> None:
                         "(pdserve up holds the port across router restarts)")
     p.add_argument("--disable-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json (with an API key they need it)")
+    p.add_argument("--liveness-port", type=int, default=0,
+                   help="also answer GET /livez on this port, from a thread of its own: 200 while the "
+                        "event loop ran within --liveness-stall-s, whatever a request does to it "
+                        "(0 = off; /livez on --port is answered by the loop)")
+    p.add_argument("--liveness-stall-s", type=float, default=30.0,
+                   help="the liveness port answers 503 once the event loop has not run this long")
+    p.add_argument("--max-heavy-per-caller", type=int, default=2,
+                   help="bodies over 256 KiB under way per caller (API key, else address); more "
+                        "get 429 (every body over 4 KiB is prepared off the event loop)")
+    p.add_argument("--max-heavy", type=int, default=8, help="large bodies under way in all; more get 429")
     p.add_argument("--structured-outputs-backend", choices=["auto", "xgrammar", "guidance"], default="auto",
                    help="the grammar backend of structured outputs (response_format, structured_outputs, "
                         "guided_*) unless a request names one in guided_decoding_backend; auto: xgrammar, "
@@ -282,10 +296,10 @@ def _add_router(subparsers: Any) -> None:
 def _run_router(args: argparse.Namespace) -> int:
     from kvstore.credentials import TLSFiles, read_secret
     from services.procs import PortInUseError
-    from services.router.api_keys import load_admin_keys, load_api_keys
-    from services.router.app import RouterConfig, create_app
-    from services.router.dispatch import DispatchOptions
-    from services.router.edge import bind, serve
+    from services.router.app import RouterConfig, create_app, liveness_server
+    from services.router.dispatch.dispatcher import DispatchOptions
+    from services.router.http.api_keys import load_admin_keys, load_api_keys
+    from services.router.http.edge import bind, serve
     from services.worker.auth import TOKEN_ENV, WorkerAccess
 
     dispatch = DispatchOptions(prefill=tuple(args.prefill), decode=tuple(args.decode),
@@ -306,17 +320,29 @@ def _run_router(args: argparse.Namespace) -> int:
                               chat_template=args.chat_template or None,
                               tool_call_parser=args.tool_call_parser,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
-                              structured_outputs_backend=args.structured_outputs_backend)
+                              structured_outputs_backend=args.structured_outputs_backend,
+                              max_heavy_per_caller=args.max_heavy_per_caller, max_heavy=args.max_heavy)
     except ValueError as e:  # a flag the config refuses: the message names it
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
+    liveness = None
     try:
         if args.fd is None:
             bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads
-        serve(create_app(config), config, args.host, args.port, log_level=args.log_level.lower(), fd=args.fd)
+        app = create_app(config)
+        if args.liveness_port:
+            try:
+                liveness = liveness_server(app, args.host, args.liveness_port, args.liveness_stall_s)
+            except OSError as e:
+                raise PortInUseError(f"--liveness-port {args.liveness_port}: {e}") from e
+            liveness.start()
+        serve(app, config, args.host, args.port, log_level=args.log_level.lower(), fd=args.fd)
     except PortInUseError as e:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 1
+    finally:
+        if liveness is not None:
+            liveness.stop()
     return 0
 
 

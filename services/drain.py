@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from services.router.api_keys import first_api_key
+from services.router.http.api_keys import first_api_key
 
 DNS_PREFIX = "dns:"
 POLL_S = 0.5

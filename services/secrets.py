@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,44 @@ class DeploymentSecrets:
     def admin_env(self) -> dict[str, str]:
         """The operator's store credential (admin role: stats, delete)."""
         return {"PDSERVE_KV_TOKEN_FILE": self.path("kv-admin-token")}
+
+
+# Every credential variable a component reads (each also as NAME_FILE), and which kinds of
+# component read it: `component_env` gives each process only its own.
+CREDENTIAL_READERS: dict[str, frozenset[str]] = {
+    "PDSERVE_API_KEY": frozenset({"router"}),
+    "PDSERVE_ADMIN_API_KEY": frozenset({"router"}),
+    "PDSERVE_WORKER_TOKEN": frozenset({"router", "worker"}),
+    "PDSERVE_WORKER_TLS_CA": frozenset({"router", "worker"}),
+    "PDSERVE_WORKER_TLS_CERT": frozenset({"router", "worker"}),
+    "PDSERVE_WORKER_TLS_KEY": frozenset({"router", "worker"}),
+    "PDSERVE_KV_TOKEN": frozenset({"worker"}),
+    "PDSERVE_KV_INTEGRITY_KEY": frozenset({"worker"}),
+    "PDSERVE_KV_TLS_CA": frozenset({"worker"}),
+    "PDSERVE_KV_TLS_CERT": frozenset({"worker"}),
+    "PDSERVE_KV_TLS_KEY": frozenset({"worker"}),
+    "PDSERVE_KV_AUTH": frozenset({"kvstore"}),
+    "PDSERVE_REDIS_PASSWORD": frozenset({"kvstore"}),
+}
+# What a worker's engine core (its child process) reads of them: the store's, not the router's.
+ENGINE_CORE_DROPS = ("PDSERVE_WORKER_TOKEN", "PDSERVE_WORKER_TLS_CA", "PDSERVE_WORKER_TLS_CERT",
+                     "PDSERVE_WORKER_TLS_KEY")
+
+
+def component_env(kind: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` without the credentials a `kind` component ("kvstore", "router", or "worker" for
+    prefill, decode and colocated) does not read."""
+    kind = "worker" if kind in ("prefill", "decode", "colocated") else kind
+    return {k: v for k, v in environ.items()
+            if kind in CREDENTIAL_READERS.get(k.removesuffix("_FILE"), frozenset({kind}))}
+
+
+def drop_from_environ(names: Sequence[str]) -> None:
+    """Removes `names` (and their _FILE variants) from this process's environment, so the
+    processes it starts from now on do not inherit them."""
+    for name in names:
+        os.environ.pop(name, None)
+        os.environ.pop(f"{name}_FILE", None)
 
 
 def _token() -> str:

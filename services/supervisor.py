@@ -115,7 +115,14 @@ class Supervisor:
         self._liveness: threading.Thread | None = None
 
     def start_liveness(self) -> None:
-        """Checks every running child's liveness in a thread (`watch` acts on the results)."""
+        """Checks every running child's liveness in a thread (`watch` acts on the results). The
+        watch begins now: every running child counts as having answered now (a child ready long
+        ago, while the others loaded, is not held to an answer it was never asked for)."""
+        with self._lock:
+            now = time.monotonic()
+            for child in self._children.values():
+                if child.state == "running":
+                    child.answered_at = now
         if self._liveness is None:
             self._liveness = threading.Thread(target=self._check_liveness, name="liveness", daemon=True)
             self._liveness.start()

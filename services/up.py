@@ -39,7 +39,7 @@ from services.readiness import (
     worker_alive,
     worker_ready,
 )
-from services.secrets import DeploymentSecrets, ensure_secrets
+from services.secrets import DeploymentSecrets, component_env, ensure_secrets
 from services.supervisor import ChildSpec, FatalChildError, RestartPolicy, Supervisor
 
 
@@ -63,7 +63,15 @@ def add_up_parser(subparsers: Any) -> None:
                    help="prefill workers' step budget (default: the worker's)")
     p.add_argument("--prefill-scheduling-policy", default=None, choices=["fcfs", "priority", "sjf"],
                    help="prefill workers' scheduling policy (default: the worker's, sjf)")
-    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--startup-timeout-s", type=float, default=None,
+                   help="how long the components may take to start (default: 600 s, plus 120 s for "
+                        "each GiB of the model's weight files beyond the first)")
+    p.add_argument("--unresponsive-s", type=float, default=60.0,
+                   help="a running component that has not answered its liveness check this long is "
+                        "killed and restarted (the clock starts when the watch begins, after start-up)")
+    p.add_argument("--router-liveness-port", type=int, default=None,
+                   help="the router answers liveness checks here, off its event loop (default: --port "
+                        "+ 1000; 0: /livez on --port)")
     p.add_argument("--metrics-port-offset", type=int, default=1000,
                    help="each worker serves Prometheus /metrics on its gRPC port + this (0 = off); "
                         "the router's is at /metrics")
@@ -149,16 +157,34 @@ def _worker_args(args: argparse.Namespace, folder: str, store: str) -> list[str]
     return out
 
 
+def _liveness_port(args: argparse.Namespace) -> int:
+    """The router's liveness port (0: none, /livez on the API port)."""
+    return args.port + 1000 if args.router_liveness_port is None else args.router_liveness_port
+
+
+def startup_timeout_s(args: argparse.Namespace, folder: str) -> float:
+    """--startup-timeout-s, else 600 s plus 120 s for each GiB of weights beyond the first (what
+    loading takes grows with the model)."""
+    if args.startup_timeout_s is not None:
+        return float(args.startup_timeout_s)
+    weights = sum(f.stat().st_size for f in Path(folder).glob("*")
+                  if f.suffix in (".safetensors", ".bin", ".gguf", ".pt") and f.is_file())
+    return 600.0 + 120.0 * max(0.0, weights / 2**30 - 1.0)
+
+
 def _ports(args: argparse.Namespace) -> dict[int, str]:
     """Every port `up` will listen on, with its component."""
     role = "colocated" if args.colocated else "decode"
     named = [(args.port, "router")]
+    if _liveness_port(args):
+        named.append((_liveness_port(args), "router liveness"))
     if not args.colocated:
         named.append((args.kvstore_port, "kvstore"))
         named += [(args.prefill_port + i, f"prefill-{i}") for i in range(args.prefill)]
     named += [(args.decode_port + i, f"{role}-{i}") for i in range(args.decode)]
     if args.metrics_port_offset:
-        workers = [(p + args.metrics_port_offset, f"{n} metrics") for p, n in named[1:] if n != "kvstore"]
+        workers = [(p + args.metrics_port_offset, f"{n} metrics") for p, n in named
+                   if n not in ("router", "router liveness", "kvstore")]
         bad = [p for p, _ in workers if not 1 <= p <= 65535]
         if bad:
             raise ValueError(f"--metrics-port-offset {args.metrics_port_offset} puts worker metrics on "
@@ -185,8 +211,7 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
     h = args.host
     store_env = None
     if creds:  # the store gets its own, none of the workers' (the checksum key above all)
-        store_env = {k: v for k, v in os.environ.items() if k not in creds.worker_env()}
-        store_env.update(creds.store_env())
+        store_env = {**component_env("kvstore", os.environ), **creds.store_env()}
     store = f"grpc://{h}:{args.kvstore_port}"
     common = _worker_args(args, folder, store)
     specs = []
@@ -224,13 +249,16 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
     if args.api_key and args.api_key != os.environ.get("PDSERVE_API_KEY"):
         print("pdserve up: warning: --api-key on the command line is visible to other users of this "
               "host (ps); use $PDSERVE_API_KEY or --api-key-file", file=sys.stderr)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_KV_")}
+    env = component_env("router", os.environ)
     if args.api_key:
         env["PDSERVE_API_KEY"] = args.api_key
     url = f"http://{h}:{args.port}"
+    live = f"http://{h}:{_liveness_port(args)}" if _liveness_port(args) else url
+    if _liveness_port(args):
+        router += ["--liveness-port", str(_liveness_port(args))]
     router_spec = ChildSpec("router", "router", cli(*router), router_ready(url), target=f"{h}:{args.port}",
                             env=env, cpus=_frozen(parse_cpus(args.router_cpus)), critical=True,
-                            alive=router_alive(url), pass_fds=(router_fd,))
+                            alive=router_alive(live), pass_fds=(router_fd,))
     return specs, router_spec
 
 
@@ -250,7 +278,7 @@ def _worker_spec(args: argparse.Namespace, name: str, role: str, port: int, extr
     argv = cli("worker", "--role", role, "--host", args.host, "--port", str(port),
                *_metrics_args(args, port), *_no_auth(args), *extra)
     return ChildSpec(name, role, argv, worker_ready(target), target=target, cpus=_frozen(cpus),
-                     alive=worker_alive(target))
+                     alive=worker_alive(target), env=component_env(role, os.environ))
 
 
 def _frozen(cpus: set[int] | None) -> frozenset[int] | None:
@@ -273,15 +301,15 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    sup = Supervisor(RestartPolicy(budget=args.restart_budget, window_s=args.restart_window_s),
-                     state_file=args.state_file)
+    sup = Supervisor(RestartPolicy(budget=args.restart_budget, window_s=args.restart_window_s,
+                                   unresponsive_s=args.unresponsive_s), state_file=args.state_file)
     private = None
     if not args.no_auth and args.secrets_dir is None:
         private = tempfile.TemporaryDirectory(prefix="pdserve-secrets-")
     creds = None if args.no_auth else _use_credentials(Path(private.name) if private else args.secrets_dir)
     specs, router = _specs(args, folder, router_socket.fileno(), creds)
     scaler: Any = None
-    deadline = time.monotonic() + args.startup_timeout_s
+    deadline = time.monotonic() + startup_timeout_s(args, folder)
     try:
         for spec in specs:
             sup.start(spec)

@@ -10,12 +10,14 @@ processes, Docker or Kubernetes can each implement it:
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from services.procs import cli, free_port
 from services.readiness import worker_alive, worker_ready
+from services.secrets import component_env
 from services.supervisor import ChildSpec, Supervisor
 from services.worker.client import WorkerClient
 
@@ -82,7 +84,7 @@ class LocalProcessActuator:
         name = f"{role}-auto-{port}"
         self.supervisor.start(ChildSpec(name, role, cli(*self.argv(role, port)), worker_ready(target),
                                         target=target, cpus=frozenset(cpus) if cpus else None,
-                                        alive=worker_alive(target)))
+                                        alive=worker_alive(target), env=component_env(role, os.environ)))
         self.started[target] = (role, name)
         try:
             await asyncio.to_thread(self.supervisor.wait_ready, name,

@@ -18,7 +18,7 @@ from typing import Any
 
 from services.autoscaler.k8s_cli import add_kubernetes_args, kubernetes_actuator
 from services.autoscaler.local import add_autoscale_args, planner_config
-from services.router.api_keys import first_api_key
+from services.router.http.api_keys import first_api_key
 
 
 def add_autoscaler_parser(subparsers: Any) -> None:

@@ -16,7 +16,7 @@ from services.autoscaler.actuators import LocalProcessActuator
 from services.autoscaler.loop import Autoscaler, AutoscalerOptions
 from services.autoscaler.observe import RouterObserver
 from services.autoscaler.planner import Planner, PlannerConfig
-from services.router.api_keys import first_api_key
+from services.router.http.api_keys import first_api_key
 
 logger = logging.getLogger(__name__)
 

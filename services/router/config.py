@@ -5,17 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from services.router.dispatch import DispatchOptions
-from services.router.tools import TOOL_CALL_PARSERS, chat_template_text
+from services.router.api.tools import TOOL_CALL_PARSERS, chat_template_text
+from services.router.dispatch.dispatcher import DispatchOptions
+
+DEFAULT_MAX_MODEL_LEN = 4096  # a router that has heard from no worker yet and was told no length
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     model: str  # the served model name clients send
     tokenizer: str  # folder or hub id of the model's tokenizer
-    max_model_len: int = 4096
+    # None: the smallest the workers report (DEFAULT_MAX_MODEL_LEN until one has); set: at most that.
+    max_model_len: int | None = None
     dispatch: DispatchOptions = field(default_factory=lambda: DispatchOptions(decode=("127.0.0.1:50061",)))
-    # When set, /v1/* needs `Authorization: Bearer <key>` with one of them (services/router/tenants.py).
+    # When set, /v1/* needs `Authorization: Bearer <key>` with one of them (services/router/http/tenants.py).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     # Each API key its own tenant: KV is shared only among requests authenticated with one key.
     tenant_cache_salt: bool = False
@@ -24,16 +27,22 @@ class RouterConfig:
     max_waiting: int = 64  # admission: 429 once every healthy worker of a pool has this many queued
     max_inflight: int = 4096  # admission: 429 beyond this many requests in the router
     retry_after_s: int = 1
-    # The edge (services/router/edge.py): bodies over max_body_bytes get 413; a request's headers
+    # The edge (services/router/http/edge.py): bodies over max_body_bytes get 413; a request's headers
     # must arrive within header_timeout_s of its first byte and its body within body_timeout_s of
     # its headers, else 408 and the connection closes.
     max_body_bytes: int = 8 * 2**20
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
-    # Tokenization and chat templates of prompts over inline_chars characters run in a pool of
-    # tokenizer_threads threads (the tokenizer releases the GIL), not on the event loop.
+    # A request whose body is over inline_bytes is prepared (parsed, its shape checked first, its
+    # template rendered and its prompt tokenized) in a pool of tokenizer_threads threads, not on
+    # the event loop (services/router/prepare.py). Of bodies over heavy_bytes each caller (API
+    # key, else address) has at most max_heavy_per_caller under way, all callers max_heavy (more:
+    # 429), so a few callers cannot keep the pool busy for everyone.
     tokenizer_threads: int = 2
-    inline_chars: int = 4096
+    inline_bytes: int = 4096
+    heavy_bytes: int = 256 * 1024
+    max_heavy_per_caller: int = 2
+    max_heavy: int = 8
     disable_docs: bool = False  # no /docs, /redoc, /openapi.json (404); with api_key they need it
     # Which grammar backend compiles a request's structured-output constraint, unless the request
     # names one (guided_decoding_backend): "auto" is xgrammar, else llguidance (as vLLM's).
@@ -46,7 +55,7 @@ class RouterConfig:
     enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 2:
+        if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len: must be at least 2, got {self.max_model_len}")
         if self.max_waiting < 1 or self.max_inflight < 1 or self.retry_after_s < 1:
             raise ValueError("max_waiting, max_inflight and retry_after_s must be at least 1")
@@ -58,8 +67,11 @@ class RouterConfig:
             raise ValueError("tenant_cache_salt: tenants are API keys, and none is configured")
         if any(not k or k != k.strip() or "," in k for k in self.api_keys + self.admin_keys):
             raise ValueError("api_keys: every key must be non-empty, without spaces around it or ','")
-        if self.tokenizer_threads < 1 or self.inline_chars < 0:
-            raise ValueError("tokenizer_threads must be >= 1 and inline_chars >= 0")
+        if self.tokenizer_threads < 1 or not 0 <= self.inline_bytes <= self.heavy_bytes:
+            raise ValueError("tokenizer_threads must be >= 1 and 0 <= inline_bytes <= heavy_bytes")
+        if not 1 <= self.max_heavy_per_caller <= self.max_heavy:
+            raise ValueError(f"max_heavy_per_caller: must be in [1, max_heavy={self.max_heavy}], got "
+                             f"{self.max_heavy_per_caller}")
         if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
             raise ValueError(f"structured_outputs_backend: must be auto, xgrammar or guidance, got "
                              f"{self.structured_outputs_backend!r}")

@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 from fastapi.responses import JSONResponse
 
-from services.router.dispatch import NoWorkerError
-from services.router.openai_models import error_body
+from services.router.api.openai_models import error_body
+from services.router.dispatch.dispatcher import NoWorkerError
 from services.worker.client import WorkerError
 
 
@@ -24,7 +24,15 @@ class OpenAIError(Exception):
     def body(self) -> dict[str, object]:
         type_ = {401: "authentication_error", 413: "invalid_request_error", 429: "rate_limit_error"}.get(
             self.status, "invalid_request_error" if self.status < 500 else "server_error")
-        return error_body(self.message, type_, self.param, self.code)
+        return error_body(printable(self.message) or "", type_, printable(self.param), self.code)
+
+
+def printable(text: str | None) -> str | None:
+    """`text` with lone surrogates escaped (a client's invalid UTF-16 quoted back in an error
+    message would make the JSON body unencodable: a 500 instead of the 400)."""
+    if text is None:
+        return None
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def field_path(loc: Iterable[str | int]) -> str:

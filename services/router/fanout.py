@@ -13,14 +13,32 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
 
 from engine.processor import child_request_id
 from engine.sampling_params import SamplingParams
+from services.worker.client import PositionLogprobs
 
-if TYPE_CHECKING:
-    from services.router.generation import Delta
+
+@dataclass
+class Delta:
+    """New output of one sample; the last one has finish_reason set. One with neither tokens nor
+    finish_reason (`accepted`) only says a worker has the sample and is computing its prompt."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs]
+    finish_reason: str | None
+    completion_tokens: int
+    cached_tokens: int
+    text_offset: int = 0  # characters of this sample's token strings before this delta's tokens
+    top_n: int = 0  # top logprobs asked for per position
+    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # positions 1.., first delta
+
+    @property
+    def accepted(self) -> bool:
+        return not self.token_ids and not self.finish_reason
 
 
 @dataclass(frozen=True)

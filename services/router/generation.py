@@ -3,21 +3,22 @@
 
     gen = Generator(config, tokenizer, dispatcher, metrics)
     admission = gen.admit()                       # 429 / 503 before any work
-    ids = await gen.tokenize(messages, "messages", template, truncate=None)
+    ids = gen.tokenize(messages, "messages", template, truncate=None)  # or in gen.in_pool(...)
     async for delta in gen.run(request_id, [ids], RunOptions(params, n=2)): ...
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import copy
+import functools
 import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, decode_token
@@ -25,37 +26,17 @@ from engine.output_processor import find_stop_string
 from engine.processor import Processor
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
-from services.router.chat_options import TemplateOptions
-from services.router.config import RouterConfig
-from services.router.dispatch import Dispatcher
+from services.router.api.body_shape import ShapeLimits
+from services.router.api.chat_options import TemplateOptions
+from services.router.api.structured import BackendChoices, Constraint
+from services.router.config import DEFAULT_MAX_MODEL_LEN, RouterConfig
+from services.router.dispatch.dispatcher import Dispatcher
 from services.router.errors import OpenAIError
-from services.router.fanout import RunOptions, keep_best, merged, plan
+from services.router.fanout import Delta, RunOptions, keep_best, merged, plan
 from services.router.metrics import RouterMetrics
-from services.router.structured import BackendChoices, Constraint
-from services.worker.client import PositionLogprobs
 
 Text = str | list[dict[str, Any]]  # a text prompt, or chat messages
-
-
-@dataclass
-class Delta:
-    """New output of one sample; the last one has finish_reason set. One with neither tokens nor
-    finish_reason (`accepted`) only says a worker has the sample and is computing its prompt."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs]
-    finish_reason: str | None
-    completion_tokens: int
-    cached_tokens: int
-    text_offset: int = 0  # characters of this sample's token strings before this delta's tokens
-    top_n: int = 0  # top logprobs asked for per position
-    prompt_logprobs: list[PositionLogprobs] = field(default_factory=list)  # positions 1.., first delta
-
-    @property
-    def accepted(self) -> bool:
-        return not self.token_ids and not self.finish_reason
+T = TypeVar("T")
 
 
 class Admission:
@@ -83,7 +64,8 @@ class Generator:
 
     def __init__(self, config: RouterConfig, tokenizer: Any, dispatcher: Dispatcher,
                  metrics: RouterMetrics) -> None:
-        engine = EngineConfig(model=config.tokenizer, max_model_len=config.max_model_len)
+        engine = EngineConfig(model=config.tokenizer,
+                              max_model_len=config.max_model_len or DEFAULT_MAX_MODEL_LEN)
         self.processor = Processor(engine, tokenizer)
         self.config = config
         self.tokenizer = tokenizer
@@ -91,10 +73,8 @@ class Generator:
         self.metrics = metrics
         self.inflight = 0
         self.backends = BackendChoices()
-        # A text longer than this many characters cannot fit max_model_len tokens: no token
-        # decodes to more characters than its longest vocabulary string.
-        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
-        self.max_prompt_chars = config.max_model_len * max(longest, 1)
+        # No token decodes to more characters than its longest vocabulary string.
+        self._longest_token = max(max((len(t) for t in tokenizer.get_vocab()), default=1), 1)
         # Each pool thread tokenizes with a tokenizer of its own (no state shared across threads).
         local = threading.local()
 
@@ -130,23 +110,57 @@ class Generator:
                                        f"requests; retry later", code="rate_limit_exceeded", headers=retry)
         return Admission(self)
 
-    async def tokenize(self, prompt: Text, param: str, template: TemplateOptions | None = None,
-                       truncate: int | None = None) -> list[int]:
-        """The prompt's token ids (chat template applied), only its last `truncate` kept, checked.
-        Long prompts are tokenized in the pool; any error on user text is a 400 naming `param`,
-        never a 500. A prompt to truncate may be longer than max_model_len."""
-        chars = _chars(prompt)
-        if truncate is None and chars > self.max_prompt_chars:
-            raise OpenAIError(400, f"{param}: {chars} characters cannot fit in max_model_len="
-                                   f"{self.config.max_model_len} tokens", param)
+    @property
+    def max_model_len(self) -> int:
+        """What a request may use: the smallest max_model_len the workers report, at most the
+        configured one (the configured one, else DEFAULT_MAX_MODEL_LEN, before any report)."""
+        learned, configured = self.dispatcher.max_model_len(), self.config.max_model_len
+        if learned is None:
+            return configured or DEFAULT_MAX_MODEL_LEN
+        return min(learned, configured) if configured else learned
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text longer than this many characters cannot fit max_model_len tokens."""
+        return self.max_model_len * self._longest_token
+
+    @property
+    def shape_limits(self) -> ShapeLimits:
+        """How much JSON structure a large body may hold (api/body_shape.py)."""
+        return ShapeLimits.for_model(self.max_model_len)
+
+    @property
+    def _here(self) -> Processor:
+        """The processor of the thread this runs on (a pool thread's own, else the loop's), with
+        today's max_model_len."""
+        own: Processor | None = getattr(self._local, "processor", None)
+        proc = own if own is not None else self.processor
+        proc.max_model_len = self.max_model_len
+        return proc
+
+    async def in_pool(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a tokenizer pool thread, in this task's context (the tenant's salt)."""
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(context.run, fn, *args))
+
+    def tokenize(self, prompt: Text, param: str, template: TemplateOptions | None = None,
+                 truncate: int | None = None) -> list[int]:
+        """The prompt's token ids (chat template applied), only its last `truncate` kept, checked,
+        on the calling thread (a request's preparation runs in the pool when its body is large).
+        Every character that goes into the prompt counts against max_model_len (the messages'
+        strings, the tools, the template variables), checked before any template runs. Any error
+        on user text is a 400 naming `param`, never a 500. A prompt to truncate may be longer than
+        max_model_len."""
         template = template or TemplateOptions()
+        chars = _chars(prompt, template)
+        if truncate is None and chars > self.max_prompt_chars:
+            what = f"{param} and tools" if template.tools else param
+            raise OpenAIError(400, f"{what}: {chars} characters cannot fit in max_model_len="
+                                   f"{self.max_model_len} tokens", param)
         special = isinstance(prompt, str)  # a chat template writes its own special tokens
         try:
-            if chars <= self.config.inline_chars:
-                ids = _encode(self.processor, prompt, template, special)
-            else:
-                ids = await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self._pooled, prompt, template, special)
+            ids = _encode(self._here, prompt, template, special)
         except ValueError as e:
             raise OpenAIError(400, str(e), param) from e
         except Exception as e:  # the tokenizer or template refused the text (a lone surrogate...)
@@ -187,7 +201,7 @@ class Generator:
         if truncate is not None:
             token_ids = token_ids[-truncate:]  # left truncation, as vLLM's
         try:
-            return self.processor.check_token_ids(token_ids)
+            return self._here.check_token_ids(token_ids)
         except ValueError as e:
             raise OpenAIError(400, str(e), param) from e
 
@@ -196,37 +210,38 @@ class Generator:
         beside max_tokens (at least one output token), -1 for exactly that; more is a 400."""
         if keep is None:
             return None
-        room = self.processor.max_model_len - max(max_tokens or 0, 1)
+        room = self.max_model_len - max(max_tokens or 0, 1)
         if keep > room or room < 1:
             raise OpenAIError(400, f"truncate_prompt_tokens={keep} leaves no room for the output: at "
-                                   f"most max_model_len={self.processor.max_model_len} minus max_tokens "
+                                   f"most max_model_len={self.max_model_len} minus max_tokens "
                                    f"({max(max_tokens or 0, 1)}) = {room} prompt tokens fit",
                               "truncate_prompt_tokens")
         return room if keep == -1 else keep
 
-    async def constrain(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
+    def constrain(self, constraint: Constraint | None) -> StructuredOutputsParams | None:
         """The request's structured-output constraint with its backend (the request's
         guided_decoding_backend, else the router's), checked: a 400 naming the field for a spec no
-        backend compiles. Specs longer than inline_chars are checked in the pool."""
+        backend compiles."""
         if constraint is None:
             return None
         preferred = constraint.backend or self.config.structured_outputs_backend
-        if len(constraint.params.spec) <= self.config.inline_chars:
-            return self.backends.choose(constraint.params, preferred)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._pool, self.backends.choose, constraint.params, preferred)
+        return self.backends.choose(constraint.params, preferred)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids (special tokens kept), on the calling thread."""
+        return str(self._here.tokenizer.decode(token_ids))
 
     def params(self, prompt_len: int, max_tokens: int | None, fields: dict[str, Any],
                logprobs: int | None) -> SamplingParams:
         """One sample's SamplingParams (`fields` with its `structured_outputs` from `constrain`);
         the engine's own checks become 400s naming the field."""
-        room = self.processor.max_model_len - prompt_len
+        room = self.max_model_len - prompt_len
         if max_tokens is not None and max_tokens > room:
             raise OpenAIError(400, f"max_tokens={max_tokens} plus the prompt's {prompt_len} tokens exceed "
-                                   f"max_model_len={self.processor.max_model_len}", "max_tokens")
+                                   f"max_model_len={self.max_model_len}", "max_tokens")
         try:
             words = fields.pop("bad_words", None)
-            bad = self.processor.bad_words_token_ids(words) if words else None
+            bad = self._here.bad_words_token_ids(words) if words else None
             params = SamplingParams(**fields, logprobs=logprobs, bad_words_token_ids=bad,
                                     max_tokens=room if max_tokens is None else max_tokens)
             params.check_vocab(self.processor.vocab_size)
@@ -332,8 +347,25 @@ def _encode(proc: Processor, prompt: Text, template: TemplateOptions, add_specia
     return list(proc.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
 
-def _chars(prompt: Text) -> int:
-    """Characters of a text prompt or of chat messages' contents (0 for token ids)."""
+def _chars(prompt: Text, template: TemplateOptions) -> int:
+    """Characters a prompt puts into the template: a text prompt's, or every string of the chat
+    messages (contents, names, tool calls' arguments...), of the tools and of the template
+    variables (0 for token ids)."""
     if isinstance(prompt, str):
         return len(prompt)
-    return sum(len(str(m.get("content") or "")) for m in prompt if isinstance(m, dict))
+    return _strings(prompt) + _strings(list(template.tools)) + _strings(dict(template.variables))
+
+
+def _strings(value: object) -> int:
+    """The characters of every string in a JSON-like value (keys included), without recursion."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(len(k) for k in item if isinstance(k, str))
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return total

@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from engine.core.outputs import PARAMS_N_BUCKETS, buckets_1_2_5
 from services.procs import instance_id
-from services.router.pool import WorkerPool
+from services.router.dispatch.pool import WorkerPool
 
 # vLLM's buckets for these histograms (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 
 import grpc
@@ -42,6 +43,8 @@ __all__ = ["LIVENESS", "ROLES", "SERVICE_NAME", "WorkerOptions", "WorkerRole", "
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdserve.worker.v1.Worker"
+# Test hook: the worker waits this many seconds before it builds its engine (a slow model load).
+LOAD_DELAY_ENV = "PDSERVE_TEST_LOAD_DELAY_S"
 LIVENESS = "liveness"  # health service name of the liveness probe (the others: readiness)
 SCRAPE_STATS_TIMEOUT_S = 5.0
 
@@ -101,6 +104,10 @@ class WorkerServer:
         try:
             if self.metrics is not None and self.options.metrics_port is not None:
                 self.metrics_port = self.metrics.start_http(self.options.host, self.options.metrics_port)
+            delay = float(os.environ.get(LOAD_DELAY_ENV) or 0)  # a test hook: a model that loads slowly
+            if delay > 0:
+                logger.warning("%s=%g: the engine starts that late (a test hook)", LOAD_DELAY_ENV, delay)
+                await asyncio.sleep(delay)
             await self.guard.start()
         except BaseException:
             await self.server.stop(None)

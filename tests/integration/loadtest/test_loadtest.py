@@ -89,7 +89,7 @@ def test_refused_requests_are_counted_as_failures(tiny_model_dir: Callable[[str]
     """A router that admits one request at a time (max_inflight 1) under 6 users refuses most
     with 429: the run still ends within its bounds and the refusals show as failures."""
     from services.router.app import RouterConfig
-    from services.router.dispatch import DispatchOptions
+    from services.router.dispatch.dispatcher import DispatchOptions
     from tests.integration.services.router_util import ServedRouter
 
     model = tiny_model_dir("llama")

@@ -93,7 +93,7 @@ def router(colocated_worker: WorkerServer, model_dir: Path) -> Iterator[Any]:
     """A router (a ServedRouter, model name "tiny") on the module's colocated worker; a module
     that needs another setup defines its own `router`."""
     from services.router.app import RouterConfig
-    from services.router.dispatch import DispatchOptions
+    from services.router.dispatch.dispatcher import DispatchOptions
     from tests.integration.services.router_util import ServedRouter
 
     dispatch = DispatchOptions(decode=(colocated_worker.target,), decode_timeout_s=60)

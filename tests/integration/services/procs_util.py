@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from services.procs import cli, free_port, spawn, stop_process
-from services.readiness import store_ready, worker_ready
+from services.readiness import router_ready, store_ready, worker_ready
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY_ENGINE = ["--num-threads", "1", "--max-model-len", "512", "--num-kv-blocks", "96"]
@@ -70,6 +70,16 @@ def worker_proc(role: str, model_dir: Path, store_url: str, *extra: str, port: i
     argv = cli("worker", "--role", role, "--port", str(port), "--kv-store-url", store_url,
                "--model", str(model_dir), *TINY_ENGINE, *extra)
     return Proc(argv, worker_ready(target), target, log)
+
+
+def router_proc(model_dir: Path, decode: list[str], *extra: str, port: int | None = None,
+                prefill: tuple[str, ...] = (), log: Path | None = None) -> Proc:
+    """`pdserve router` (served model name "tiny") over the given workers."""
+    port = port or free_port()
+    argv = cli("router", "--model", "tiny", "--tokenizer", str(model_dir), "--port", str(port),
+               *[a for t in decode for a in ("--decode", t)], *[a for t in prefill for a in ("--prefill", t)],
+               "--log-level", "WARNING", *extra)
+    return Proc(argv, router_ready(f"http://127.0.0.1:{port}"), f"127.0.0.1:{port}", log)
 
 
 def store_proc(port: int | None = None, *extra: str) -> Proc:

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.procs import free_port
 from services.router.app import RouterConfig, create_app
-from services.router.edge import uvicorn_config
+from services.router.http.edge import uvicorn_config
 
 
 class ServedRouter:

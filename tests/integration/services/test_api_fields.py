@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from services.router import unsupported
+from services.router.api import unsupported
 from tests.integration.services.router_util import ServedRouter
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -78,7 +78,7 @@ async def test_no_op_values_user_and_unknown_fields_are_accepted_and_change_noth
         client: openai.AsyncOpenAI, chat: bool, caplog: pytest.LogCaptureFixture) -> None:
     plain = await _create(client, chat, {})
     extra = {**NO_OP, **(CHAT_NO_OP if chat else {})}
-    with caplog.at_level(logging.DEBUG, logger="services.router.unsupported"):
+    with caplog.at_level(logging.DEBUG, logger="services.router.api.unsupported"):
         out = await _create(client, chat, extra)
     text = (lambda r: r.choices[0].message.content) if chat else (lambda r: r.choices[0].text)
     assert text(out) == text(plain) and text(out)

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter
 

@@ -21,7 +21,7 @@ from services.autoscaler.loop import Autoscaler, AutoscalerOptions
 from services.autoscaler.observe import RouterObserver
 from services.autoscaler.planner import Planner, PlannerConfig
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter
 

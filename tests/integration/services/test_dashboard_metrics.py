@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvstore.service import KVStoreService
 from services.procs import free_port
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerOptions, WorkerServer
 from tests.integration.services.conftest import engine_config
 from tests.integration.services.router_util import ServedRouter

@@ -15,7 +15,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.router.app import RouterConfig, create_app
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.e2e_util import load_of, wait_for_load
 from tests.integration.services.router_util import ServedRouter

@@ -27,7 +27,7 @@ from services.cli import main
 from services.drain import drain
 from services.procs import free_port
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.engine_guard import GuardOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.conftest import worker_options

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter
 
@@ -28,7 +28,7 @@ MODEL = "tiny"
 def router(workers: dict[str, WorkerServer], model_dir: Path) -> Iterator[ServedRouter]:
     config = RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512,
                           dispatch=DispatchOptions(decode=(workers["colocated"].target,)),
-                          header_timeout_s=0.5, body_timeout_s=0.5, inline_chars=16)
+                          header_timeout_s=0.5, body_timeout_s=0.5, inline_bytes=16)
     with ServedRouter(config) as served:
         yield served
 
@@ -91,7 +91,7 @@ async def test_prompts_tokenized_in_the_pool_give_the_inline_result(router: Serv
                                                                    model_dir: Path) -> None:
     from engine.model.loader import load_tokenizer
 
-    prompt = "The quick brown fox jumps over the lazy dog. " * 8  # over inline_chars: the pool
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8  # over inline_bytes: the pool
     async with httpx.AsyncClient(base_url=router.url, timeout=30) as http:
         r = await http.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
     assert r.status_code == 200
@@ -109,6 +109,14 @@ async def test_text_the_tokenizer_refuses_is_a_400_never_a_500(router: ServedRou
                 r = await http.post(path, content=body, headers={"content-type": "application/json"})
                 assert r.status_code == 400, (path, r.text)
                 assert r.json()["error"]["param"] in ("messages", "prompt"), r.text
+        for path, body in (  # in the model field: a 400 naming it, its text escaped (was a bare 500)
+                ("/v1/chat/completions",
+                 '{"model": "ti\\ud800ny", "messages": [{"role": "user", "content": "hi"}]}'),
+                ("/v1/completions", '{"model": "ti\\ud800ny", "prompt": "hi"}'),
+                ("/tokenize", '{"model": "ti\\ud800ny", "prompt": "hi"}')):
+            r = await http.post(path, content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["param"] == "model" and "\\ud800" in r.json()["error"]["message"]
 
 
 def raw(port: int, data: bytes, wait_s: float) -> tuple[bytes, float]:

@@ -20,7 +20,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from kvstore.service import KVStoreService
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter, free_port
 

@@ -29,7 +29,7 @@ from services.autoscaler.observe import RouterObserver
 from services.autoscaler.planner import Planner, PlannerConfig
 from services.procs import cli, stop_process
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from tests.integration.services.fake_kube_api import COST, FakeKubeApi, wait_for
 from tests.integration.services.router_util import ServedRouter
 from tests.integration.services.test_autoscaler import HUGE, MODEL, Load, until

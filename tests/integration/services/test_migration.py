@@ -20,7 +20,7 @@ import pytest
 from engine.sampling_params import SamplingParams
 from kvstore.service import KVStoreService
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from tests.integration.services.e2e_util import load_of
 from tests.integration.services.procs_util import Proc, worker_proc
 from tests.integration.services.router_util import ServedRouter

@@ -32,10 +32,10 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from services.router import unsupported
+from services.router.api import unsupported
+from services.router.api.structured_fields import StructuredFields
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
-from services.router.structured_fields import StructuredFields
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerRole, WorkerServer
 from tests.integration.services.router_util import ServedRouter
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter, free_port
 
@@ -65,8 +65,8 @@ async def _cached(c: openai.AsyncOpenAI, salt: str | None = None) -> tuple[str, 
 @in_module_loop
 async def test_with_tenant_cache_salt_a_tenant_cannot_probe_another_tenant_s_cache(
         workers: dict[str, WorkerServer], model_dir: Path, tmp_path: Path) -> None:
-    from services.router.api_keys import load_api_keys
-    from services.router.tenants import tenant_salt
+    from services.router.http.api_keys import load_api_keys
+    from services.router.http.tenants import tenant_salt
 
     key_file = tmp_path / "keys"
     key_file.write_text("# one key per tenant\nkey-alice\nkey-bob  # second tenant\n")

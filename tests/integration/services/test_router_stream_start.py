@@ -20,7 +20,7 @@ from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
 from services.procs import free_port
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from tests.integration.services.router_util import ServedRouter
 
 TOKEN = 42  # what the gated worker "computes"

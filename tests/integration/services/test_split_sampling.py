@@ -21,8 +21,8 @@ import pytest_asyncio
 
 from engine.sampling_params import SamplingParams
 from services.router.app import RouterConfig
-from services.router.dispatch import Dispatcher, DispatchOptions
-from services.router.pool import Pick
+from services.router.dispatch.dispatcher import Dispatcher, DispatchOptions
+from services.router.dispatch.pool import Pick
 from services.worker.server import WorkerOptions, WorkerServer
 from tests.integration.services.router_util import ServedRouter
 

@@ -21,7 +21,7 @@ import pytest_asyncio
 from engine.config import EngineConfig
 from loadtest.redis_cluster import RedisCluster, free_port_in, missing_tools
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerOptions, WorkerServer
 from tests.integration.kvstore.cluster_util import frontends, location
 from tests.integration.services.procs_util import Proc

@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from kvstore.client import KVStoreClient, KVStoreClientError
 from services.procs import free_port
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerOptions, WorkerServer
 from tests.integration.services.procs_util import Proc, store_proc
 from tests.integration.services.router_util import ServedRouter

@@ -25,7 +25,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
 from services.procs import free_port
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.client import WorkerClient, WorkerError
 from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter

@@ -42,10 +42,41 @@ def _argv_of(pid: int) -> str:
         return ""
 
 
+def _environ_of(pid: int) -> set[str]:
+    """The names in a process's environment (as it was started)."""
+    try:
+        raw = (Path("/proc") / str(pid) / "environ").read_bytes()
+    except OSError:
+        return set()
+    return {item.split(b"=", 1)[0].decode() for item in raw.split(b"\0") if b"=" in item}
+
+
+# What each kind of process must not hold (each credential only where it is read).
+NOT_FOR = {
+    "kvstore": ("PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY_FILE", "PDSERVE_WORKER_TOKEN_FILE",
+                "PDSERVE_KV_TOKEN_FILE", "PDSERVE_KV_INTEGRITY_KEY_FILE"),
+    "worker": ("PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY_FILE", "PDSERVE_KV_AUTH_FILE",
+               "PDSERVE_REDIS_PASSWORD_FILE"),
+    "engine core": ("PDSERVE_API_KEY", "PDSERVE_ADMIN_API_KEY_FILE", "PDSERVE_WORKER_TOKEN_FILE",
+                    "PDSERVE_KV_AUTH_FILE"),
+    "router": ("PDSERVE_KV_TOKEN_FILE", "PDSERVE_KV_INTEGRITY_KEY_FILE", "PDSERVE_KV_AUTH_FILE",
+               "PDSERVE_REDIS_PASSWORD_FILE"),
+}
+
+
+def _kind(argv: str) -> str | None:
+    for word, kind in ((" kvstore ", "kvstore"), (" worker ", "worker"), ("spawn_main", "engine core"),
+                       (" router ", "router")):
+        if word in f" {argv} ":
+            return kind
+    return None
+
+
 def _check_credentials(up_pid: int, secrets_dir: Path, api_key: str, store_port: int,
                        worker_port: int) -> None:
-    """No key or token in any argv of `up`'s processes; owner-only files; the store and the
-    workers refuse a caller without a token."""
+    """No key or token in any argv of `up`'s processes, and none in the environment of a
+    process that does not read it; owner-only files; the store and the workers refuse a caller
+    without a token."""
     import grpc
 
     from kvstore.client import KVStoreAuthError, KVStoreClient
@@ -57,9 +88,16 @@ def _check_credentials(up_pid: int, secrets_dir: Path, api_key: str, store_port:
     assert all(len(t) >= 24 for t in tokens)
     pids = _descendants(up_pid)
     assert len(pids) >= 5, pids  # up, store, prefill, decode, router (+ engine cores)
+    kinds: dict[str, int] = {}
     for pid in pids:
         argv = _argv_of(pid)
         assert not any(t in argv for t in tokens), f"a credential in the argv of {pid}: {argv[:80]}"
+        kind = _kind(argv)
+        if kind is not None:
+            kinds[kind] = kinds.get(kind, 0) + 1
+            held = _environ_of(pid) & set(NOT_FOR[kind])
+            assert not held, f"the {kind} (pid {pid}) holds {sorted(held)}"
+    assert kinds == {"kvstore": 1, "worker": 2, "engine core": 2, "router": 1}, kinds
     assert secrets_dir.stat().st_mode & 0o077 == 0
     assert all(f.stat().st_mode & 0o077 == 0 for f in secrets_dir.iterdir())
     with pytest.raises(KVStoreAuthError):
@@ -82,20 +120,25 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
 
     model = tiny_model_dir("llama")
     for _ in range(50):  # worker /metrics = gRPC port + offset: keep the prefill one valid too
-        router, store, prefill, decode, metrics = free_ports(5)
+        router, store, prefill, decode, metrics, liveness = free_ports(6)
         offset = metrics - decode  # the decode (or colocated) worker's /metrics lands on a free port
         if 1024 <= prefill + offset <= 65535:
             break
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(router),
             "--kvstore-port", str(store), "--prefill-port", str(prefill), "--decode-port", str(decode),
             "--num-threads", "1", "--kv-cache-gib", "0.05", "--max-model-len", "512",
-            "--startup-timeout-s", "180", "--metrics-port-offset", str(offset)]
+            "--startup-timeout-s", "180", "--metrics-port-offset", str(offset),
+            "--router-liveness-port", str(liveness)]
     if colocated:
         argv.append("--colocated")
     api_key = secrets.token_hex(12)
     argv += ["--secrets-dir", str(tmp_path / "secrets")]
+    admin_key = tmp_path / "admin-key"
+    admin_key.write_text(secrets.token_hex(12))
+    admin_key.chmod(0o600)
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PDSERVE_API_KEY": api_key})
+                            env={**os.environ, "PDSERVE_API_KEY": api_key,
+                                 "PDSERVE_ADMIN_API_KEY_FILE": str(admin_key)})
     try:
         assert proc.stdout is not None
         lines = []
@@ -118,10 +161,12 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
         assert "vllm:generation_tokens_total" in worker_metrics
         router_metrics = httpx.get(f"http://127.0.0.1:{router}/metrics", timeout=10).text
         assert "vllm:time_to_first_token_seconds_count" in router_metrics
+        live = httpx.get(f"http://127.0.0.1:{liveness}/livez", timeout=10)  # off the router's loop
+        assert live.status_code == 200 and live.json()["status"] == "alive"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0
         time.sleep(0.5)
-        for port in (router, store, prefill, decode, metrics):
+        for port in (router, store, prefill, decode, metrics, liveness):
             with socket.socket() as s:
                 assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open"
     finally:

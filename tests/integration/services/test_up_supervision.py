@@ -23,18 +23,20 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 class Up:
-    def __init__(self, model: Path, tmp: Path) -> None:
-        self.router, self.store, self.prefill, self.decode = free_ports(4)
+    def __init__(self, model: Path, tmp: Path, extra: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.router, self.store, self.prefill, self.decode, self.liveness = free_ports(5)
         self.state = tmp / "state.json"
         self.stderr_path = tmp / "up.err"
         self.argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model),
                      "--port", str(self.router), "--kvstore-port", str(self.store),
                      "--prefill-port", str(self.prefill), "--decode-port", str(self.decode),
                      "--num-threads", "1", "--kv-cache-gib", "0.05", "--max-model-len", "512",
-                     "--metrics-port-offset", "0", "--startup-timeout-s", "180"]
+                     "--metrics-port-offset", "0", "--startup-timeout-s", "180",
+                     "--router-liveness-port", str(self.liveness), *extra]
         self.proc = subprocess.Popen([*self.argv, "--state-file", str(self.state)], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=open(self.stderr_path, "wb"),  # noqa: SIM115
-                                     text=True)
+                                     text=True, env={**os.environ, **(env or {})})
 
     def wait_up(self) -> None:
         assert self.proc.stdout is not None
@@ -146,3 +148,23 @@ def test_requests_sent_while_the_router_restarts_wait_for_it_instead_of_failing(
     assert texts == [want] * 3
     assert up.component("router")["pid"] != old["pid"]
     assert "router (pid" in up.stderr() and "exited with signal SIGKILL; restarting it" in up.stderr()
+
+
+def test_a_slow_model_load_does_not_get_the_store_killed(tiny_model_dir: Callable[[str], Path],
+                                                         tmp_path: Path) -> None:
+    """Workers whose engines start 8 s late (the load-delay test hook) with --unresponsive-s 4:
+    the store, ready long before them, keeps running once the watch begins (its liveness clock
+    starts then, not when the store became ready), and the system serves."""
+    from services.worker.server import LOAD_DELAY_ENV
+
+    up = Up(tiny_model_dir("llama"), tmp_path, extra=("--unresponsive-s", "4"), env={LOAD_DELAY_ENV: "8"})
+    try:
+        up.wait_up()
+        store = up.component("kvstore")
+        time.sleep(6)  # past --unresponsive-s since the watch began
+        now = up.component("kvstore")
+        assert now["pid"] == store["pid"] and now["restarts"] == 0, up.stderr()[-2000:]
+        assert "liveness check" not in up.stderr()
+        assert complete(up)
+    finally:
+        assert up.stop() == 0

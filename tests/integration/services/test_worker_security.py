@@ -23,7 +23,7 @@ from protos import worker_pb2_grpc as pb_grpc
 from services.cli import build_parser
 from services.procs import free_port, port_free
 from services.router.app import RouterConfig
-from services.router.dispatch import DispatchOptions
+from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.auth import DENIED, ExposedWorkerError, WorkerAccess
 from services.worker.client import WorkerClient, WorkerError
 from services.worker.server import WorkerOptions, WorkerServer

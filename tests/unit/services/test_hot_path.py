@@ -1,5 +1,6 @@
-"""HotPath hands JSON POSTs of its paths to their handlers, and everything else (or what a handler
-declines) to the app with the body intact; SSEResponse stops streaming when the client leaves."""
+"""HotPath hands every POST of its paths to their handlers with the body and the scope (a body that
+FastAPI would not read as JSON is a 400 in OpenAI's format), and everything else to the app;
+SSEResponse stops streaming when the client leaves."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 from fastapi import FastAPI
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response
-from starlette.types import Message
+from starlette.types import Message, Scope
 
-from services.router.hot_path import HotPath, SSEResponse
+from services.router.http.hot_path import HotPath, SSEResponse
 
 
 def _app() -> FastAPI:
@@ -24,27 +25,31 @@ def _app() -> FastAPI:
     async def slow(body: dict[str, object]) -> dict[str, object]:
         return {"via": "fastapi", "body": body}
 
-    async def fast(raw: bytes) -> Response | None:
-        body = json.loads(raw)
-        return None if body.get("decline") else JSONResponse({"via": "hot", "body": body})
+    async def fast(raw: bytes, scope: Scope) -> Response:
+        return JSONResponse({"via": "hot", "body": json.loads(raw), "path": scope["path"]})
 
     app.add_middleware(HotPath, handlers={"/v1/x": fast})
     return app
 
 
 @pytest.mark.asyncio
-async def test_hot_path_takes_json_and_hands_on_the_rest_with_the_body_intact() -> None:
+async def test_hot_path_takes_every_json_post_of_its_paths_and_refuses_other_content_types() -> None:
     transport = httpx.ASGITransport(app=_app())
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
         hot = await client.post("/v1/x", json={"a": 1})
-        assert hot.json() == {"via": "hot", "body": {"a": 1}}
-        declined = await client.post("/v1/x", json={"decline": True, "a": 2})
-        assert declined.json() == {"via": "fastapi", "body": {"decline": True, "a": 2}}
+        assert hot.json() == {"via": "hot", "body": {"a": 1}, "path": "/v1/x"}
         charset = await client.post("/v1/x", content=b'{"a": 3}',
                                     headers={"content-type": "Application/JSON; charset=utf-8"})
         assert charset.json()["via"] == "hot"
-        text = await client.post("/v1/x", content=b'{"a": 4}', headers={"content-type": "text/plain"})
-        assert text.status_code == 422  # FastAPI's own answer: the hot path did not take it
+        suffix = await client.post("/v1/x", content=b'{"a": 4}',
+                                   headers={"content-type": "application/vnd.x+json"})
+        assert suffix.json()["via"] == "hot"  # FastAPI reads application/*+json as JSON too
+        bare = await client.send(client.build_request("POST", "/v1/x", content=b'{"a": 5}',
+                                                      headers={"content-type": ""}))
+        assert bare.json()["body"] == {"a": 5}
+        text = await client.post("/v1/x", content=b'{"a": 6}', headers={"content-type": "text/plain"})
+        assert text.status_code == 400
+        assert "Content-Type: application/json" in text.json()["error"]["message"]
         assert (await client.get("/v1/x")).status_code == 405
 
 

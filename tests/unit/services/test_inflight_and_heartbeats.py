@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.router.inflight import Attempt, InFlight
+from services.router.dispatch.inflight import Attempt, InFlight
 from services.worker.engine_guard import GuardOptions
 from services.worker.heartbeats import with_heartbeats
 

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 
 from protos import worker_pb2 as pb
-from services.router.pool import PoolOptions, WorkerPool, WorkerState, is_down
-from services.router.prefix_index import PrefixIndex, block_hashes
+from services.router.dispatch.pool import PoolOptions, WorkerPool, WorkerState, is_down
+from services.router.dispatch.prefix_index import PrefixIndex, block_hashes
 from services.worker.client import WorkerError
 
 

@@ -13,9 +13,9 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from services.router.config import RouterConfig
-from services.router.dispatch import DispatchOptions, Step
-from services.router.fanout import RunOptions, cumulative_logprob, keep_best, plan
-from services.router.generation import Delta, Generator
+from services.router.dispatch.dispatcher import DispatchOptions, Step
+from services.router.fanout import Delta, RunOptions, cumulative_logprob, keep_best, plan
+from services.router.generation import Generator
 from services.router.metrics import RouterMetrics
 from services.worker.client import Logprob
 

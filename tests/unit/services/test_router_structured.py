@@ -14,9 +14,9 @@ import pytest
 
 from engine.structured.params import StructuredOutputsParams
 from protos import worker_pb2 as pb
+from services.router.api.openai_models import ChatCompletionRequest, CompletionRequest
+from services.router.api.structured import BackendChoices, requested
 from services.router.errors import OpenAIError
-from services.router.openai_models import ChatCompletionRequest, CompletionRequest
-from services.router.structured import BackendChoices, requested
 from services.worker.convert import structured_from_proto, structured_to_proto
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -189,7 +189,7 @@ def test_a_spec_no_backend_compiles_is_a_400_naming_its_field(fields: dict[str, 
 
 
 def test_backend_choices_follow_the_preference_and_are_kept_per_spec(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.router import structured
+    from services.router.api import structured
 
     calls: list[str] = []
     real = structured.choose_backend

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from services.router.api_keys import first_api_key, load_api_keys
 from services.router.config import RouterConfig
-from services.router.prefix_index import block_hashes
-from services.router.tenants import effective_salt, tenant_salt
+from services.router.dispatch.prefix_index import block_hashes
+from services.router.http.api_keys import first_api_key, load_api_keys
+from services.router.http.tenants import effective_salt, tenant_salt
 
 
 def test_keys_come_from_the_variable_the_file_and_argv_in_that_order(
@@ -79,7 +79,7 @@ async def _ok(scope: Any, receive: Any, send: Any) -> None:
 async def test_the_admin_api_is_never_a_tenant_key() -> None:
     """/admin decides where prompts go: tenants' keys never open it, an admin key does; with no
     key of any kind configured it answers loopback callers only."""
-    from services.router.tenants import ApiKeyAuth
+    from services.router.http.tenants import ApiKeyAuth
 
     open_app = ApiKeyAuth(_ok, keys=())
     assert await _status(open_app, "/v1/models", client="10.0.0.5") == 200

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from services.router.tool_parser import (
+from services.router.api.tool_parser import (
     CallArguments,
     CallStart,
     Content,
@@ -22,7 +22,7 @@ from services.router.tool_parser import (
     RequiredParser,
     ToolParser,
 )
-from services.router.tools import ChoiceCalls, ToolPlan
+from services.router.api.tools import ChoiceCalls, ToolPlan
 
 Calls = list[tuple[str, str]]  # (name, arguments)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from services.router.openai_models import ChatCompletionRequest, ChatMessage
-from services.router.tools import ChoiceCalls, ToolPlan, as_template_tools, chat_template_text
+from services.router.api.openai_models import ChatCompletionRequest, ChatMessage
+from services.router.api.tools import ChoiceCalls, ToolPlan, as_template_tools, chat_template_text
 
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

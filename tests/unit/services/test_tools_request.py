@@ -1,4 +1,4 @@
-"""What a chat request's tools ask of the router (services/router/tools.py): the grammar of
+"""What a chat request's tools ask of the router (services/router/api/tools.py): the grammar of
 tool_choice "required" (vLLM's array of {name, parameters}, checked here with jsonschema) and of a
 named function; the request errors, each naming its field; and the flags that turn tools on
 (the router's, as vLLM's, and what `pdserve up` passes)."""
@@ -13,10 +13,10 @@ import jsonschema
 import pytest
 
 from engine.structured.params import StructuredOutputsParams
+from services.router.api.openai_models import ChatCompletionRequest
+from services.router.api.tools import ToolPlan, constrain, tool_plan
 from services.router.config import RouterConfig
 from services.router.errors import OpenAIError
-from services.router.openai_models import ChatCompletionRequest
-from services.router.tools import ToolPlan, constrain, tool_plan
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
                                              "unit": {"enum": ["c", "f"]}}, "required": ["city"]}

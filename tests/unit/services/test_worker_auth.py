@@ -9,8 +9,8 @@ import pytest
 
 from kvstore.credentials import TLSFiles
 from services.cli import build_parser
-from services.router.admin import parse_target
 from services.router.errors import OpenAIError
+from services.router.http.admin import parse_target
 from services.worker.auth import ExposedWorkerError, WorkerAccess, check_exposure
 
 

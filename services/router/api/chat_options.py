@@ -18,8 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.router.api.openai_models import ChatMessage, ChatTemplateFields
 from services.router.errors import OpenAIError
-from services.router.openai_models import ChatMessage, ChatTemplateFields
 
 # Template variables a request may not set through chat_template_kwargs: the request's own fields
 # set them, or they are apply_chat_template's arguments rather than template variables (along with

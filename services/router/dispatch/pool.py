@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from protos import worker_pb2 as pb
-from services.router.background import Background
-from services.router.prefix_index import PrefixIndex
+from services.router.dispatch.background import Background
+from services.router.dispatch.prefix_index import PrefixIndex
 from services.worker.auth import WorkerAccess
 from services.worker.client import WorkerClient, WorkerError
 

@@ -41,9 +41,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from services.router.inflight import Attempt, EndedByRouter, InFlight
-from services.router.pool import Pick, Policy, PoolOptions, WorkerPool, WorkerState, is_down
-from services.router.prefix_index import block_hashes
+from services.router.dispatch.inflight import Attempt, EndedByRouter, InFlight
+from services.router.dispatch.pool import Pick, Policy, PoolOptions, WorkerPool, WorkerState, is_down
+from services.router.dispatch.prefix_index import block_hashes
 from services.worker.auth import WorkerAccess
 from services.worker.client import PositionLogprobs, PrefillResult, WorkerError
 
@@ -154,6 +154,13 @@ class Dispatcher:
     @property
     def pools(self) -> list[WorkerPool]:
         return [p for p in (self.prefill, self.decode) if p is not None]
+
+    def max_model_len(self) -> int | None:
+        """The smallest max_model_len any worker has reported (None before any has): a request
+        that fits it fits whichever worker takes it."""
+        reported = [w.load.max_model_len for pool in self.pools for w in pool.workers
+                    if w.load is not None and w.load.max_model_len > 0]
+        return min(reported) if reported else None
 
     def start(self) -> None:
         for pool in self.pools:

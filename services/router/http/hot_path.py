@@ -3,12 +3,13 @@
     app.add_middleware(HotPath, handlers={"/v1/completions": completions_from_bytes, ...})
 
 FastAPI's route machinery (middleware layers, dependency solving, the endpoint's task group) costs
-a few hundred microseconds per request, a sizeable part of the router's budget (issue #6: under
-2 ms at p50). `HotPath` takes a JSON POST to a hot endpoint, reads its body and hands the bytes to
-the endpoint's handler, which parses and validates them exactly as FastAPI would (`json.loads`,
-then the pydantic model) and answers with the same response objects. Whatever the handler does
-not take (a body that does not parse or validate, another content type) goes on to the FastAPI app
-with the body replayed, so every error body stays the one FastAPI's handlers produce.
+a few hundred microseconds per request, a sizeable part of the router's budget (under 2 ms at
+p50), and FastAPI parses a body on the event loop whatever its size. `HotPath` takes every POST
+to a hot endpoint, reads its body and hands the bytes to the endpoint's handler, which parses and
+validates them as FastAPI would (JSON, then the pydantic model; errors are the same 400s) where
+it chooses (a large body off the loop: services/router/prepare.py). As FastAPI, it reads a body
+without a Content-Type, or with application/json or application/*+json, as JSON; any other
+content type is a 400.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 
 from starlette.responses import Response, StreamingResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-# A handler answers the request from its raw body, or returns None to leave it to the FastAPI app.
-Handler = Callable[[bytes], Awaitable[Response | None]]
+from services.router.errors import OpenAIError
+
+# A handler answers the request from its raw body (and its scope: who sent it).
+Handler = Callable[[bytes, Scope], Awaitable[Response]]
 
 
 class HotPath:
-    """Pure ASGI middleware: POST + `application/json` to a path in `handlers` skips the rest of
-    the stack unless its handler declines."""
+    """Pure ASGI middleware: a POST to a path in `handlers` skips the rest of the stack."""
 
     def __init__(self, app: ASGIApp, handlers: Mapping[str, Handler]) -> None:
         self.app = app
@@ -34,24 +36,28 @@ class HotPath:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = (self.handlers.get(scope["path"])
                    if scope["type"] == "http" and scope["method"] == "POST" else None)
-        if handler is None or not _is_json(scope):
+        if handler is None:
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)
         if body is None:  # the client left before sending its body
             return
-        response = await handler(body)
-        if response is None:
-            await self.app(scope, _replay(body, receive), send)
-            return
+        if _is_json(scope):
+            response = await handler(body, scope)
+        else:
+            response = OpenAIError(400, "the request body must be JSON (Content-Type: "
+                                        "application/json)").response()
         await response(scope, receive, send)
 
 
 def _is_json(scope: Scope) -> bool:
+    """No Content-Type, application/json or application/*+json (what FastAPI parses as JSON)."""
     for name, value in scope["headers"]:
         if name == b"content-type":
-            return value.split(b";", 1)[0].strip().lower() == b"application/json"
-    return False
+            kind = value.split(b";", 1)[0].strip().lower()
+            return kind in (b"", b"application/json") or (kind.startswith(b"application/")
+                                                     and kind.endswith(b"+json"))
+    return True
 
 
 async def _read_body(receive: Receive) -> bytes | None:
@@ -63,16 +69,6 @@ async def _read_body(receive: Receive) -> bytes | None:
         parts.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(parts)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """`receive` that first gives back the body already read."""
-    pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def replayed() -> Message:
-        return pending.pop() if pending else await receive()
-
-    return replayed
 
 
 class SSEResponse(StreamingResponse):

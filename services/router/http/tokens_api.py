@@ -21,13 +21,17 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
-from services.router.chat_options import template_options
+from services.router.api.body_shape import ShapeLimits, check_shape
+from services.router.api.chat_options import template_options
+from services.router.api.openai_models import OPENAI_RESPONSES, ChatMessage, ChatTemplateFields, _json_integer
+from services.router.api.tool_fields import MAX_TOOLS, Tool
+from services.router.api.tools import as_template_tools
 from services.router.config import RouterConfig
 from services.router.errors import OpenAIError, field_path
 from services.router.generation import Generator
-from services.router.openai_models import OPENAI_RESPONSES, ChatMessage, ChatTemplateFields, _json_integer
-from services.router.tool_fields import MAX_TOOLS, Tool
-from services.router.tools import as_template_tools
+from services.router.http.heavy import HeavyLimit
+from services.router.http.tenants import caller
+from services.router.prepare import check_model as served_model
 
 
 class _Tokenize(BaseModel):
@@ -55,9 +59,12 @@ class Detokenize(BaseModel):
     tokens: list[Annotated[int, Field(ge=0), BeforeValidator(_json_integer)]]  # 2.0 is a JSON integer
 
 
-async def _json(request: Request) -> Any:
+def _loads(raw: bytes, limits: ShapeLimits | None) -> Any:
+    """The JSON of a body (a large one's shape checked first), or a 400."""
+    if limits is not None:
+        check_shape(raw, limits)
     try:
-        return json.loads(await request.body())
+        return json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise OpenAIError(400, f"malformed JSON body: {e}"[:300]) from None
 
@@ -90,18 +97,35 @@ _ERRORS: dict[int | str, dict[str, Any]] = {400: OPENAI_RESPONSES[400], 401: OPE
                                             404: OPENAI_RESPONSES[404]}
 
 
-def tokens_router(config: RouterConfig, gen: Callable[[], Generator]) -> APIRouter:
+def tokens_router(config: RouterConfig, gen: Callable[[], Generator],
+                  heavy: Callable[[], HeavyLimit]) -> APIRouter:
     router = APIRouter()
 
+    async def read(request: Request, *models: type[BaseModel]) -> Any:
+        """The body as one of `models` (the first for a chat, by its `messages`): parsed on the
+        event loop when small, in the tokenizer pool when large (as /v1's, prepare.py)."""
+        def load(raw: bytes, large: bool) -> Any:
+            body = _loads(raw, gen().shape_limits if large else None)
+            chat = isinstance(body, dict) and "messages" in body
+            return _parse(models[0] if chat or len(models) == 1 else models[1], body)
+
+        raw = await request.body()
+        g = gen()
+        if len(raw) <= g.config.inline_bytes:
+            return load(raw, False)
+        if len(raw) <= g.config.heavy_bytes:
+            return await g.in_pool(load, raw, True)
+        with heavy().slot(caller(request.scope), g.config.retry_after_s):
+            return await g.in_pool(load, raw, True)
+
     def check_model(model: str | None) -> None:
-        if model is not None and model != config.model:
-            raise OpenAIError(404, f"the model '{model}' does not exist", "model", "model_not_found")
+        if model is not None:
+            served_model(gen(), model)
 
     @router.post("/tokenize", responses=_ERRORS, openapi_extra=_body_schema(TokenizeText, TokenizeChat))
     async def tokenize(request: Request) -> dict[str, Any]:
         """A text's or a chat's token ids, as generation would prefill them."""
-        body = await _json(request)
-        req = _parse(TokenizeChat if isinstance(body, dict) and "messages" in body else TokenizeText, body)
+        req = await read(request, TokenizeChat, TokenizeText)
         check_model(req.model)
         g = gen()
         if isinstance(req, TokenizeChat):
@@ -112,12 +136,12 @@ def tokens_router(config: RouterConfig, gen: Callable[[], Generator]) -> APIRout
         else:
             ids = await g.encode(req.prompt, "prompt", req.add_special_tokens)
         strs = (await g.decode(ids, "tokens"))[1] if req.return_token_strs else None
-        return {"count": len(ids), "max_model_len": config.max_model_len, "tokens": ids, "token_strs": strs}
+        return {"count": len(ids), "max_model_len": g.max_model_len, "tokens": ids, "token_strs": strs}
 
     @router.post("/detokenize", responses=_ERRORS, openapi_extra=_body_schema(Detokenize))
     async def detokenize(request: Request) -> dict[str, Any]:
         """The text of token ids (special tokens kept)."""
-        req = _parse(Detokenize, await _json(request))
+        req = await read(request, Detokenize)
         check_model(req.model)
         text, _ = await gen().decode(req.tokens, "tokens")
         return {"prompt": text}

@@ -1,6 +1,6 @@
 """API keys and tenants: the router's key check, and each request's effective cache salt.
 
-Any configured key (services/router/api_keys.py) is accepted on `/v1/*`, `/tokenize`,
+Any configured key (services/router/http/api_keys.py) is accepted on `/v1/*`, `/tokenize`,
 `/detokenize` and the API docs, each compared in constant time. The admin API (`/admin/*`, which
 adds and drains workers: whoever holds it decides where prompts go) takes an admin key
 (`$PDSERVE_ADMIN_API_KEY`) when one is configured; without one, any API key when the keys are
@@ -31,6 +31,8 @@ _COMBINED_DOMAIN = b"pdserve.router.tenant-request-salt.v1\0"
 
 # The tenant salt of the request being handled (set by ApiKeyAuth), None without tenants.
 _tenant_salt: contextvars.ContextVar[str | None] = contextvars.ContextVar("tenant_salt", default=None)
+# Which configured key the request being handled presented (its index), None without one.
+_caller_key: contextvars.ContextVar[int | None] = contextvars.ContextVar("caller_key", default=None)
 
 
 def tenant_salt(api_key: str) -> str:
@@ -46,6 +48,16 @@ def effective_salt(tenant: str | None, request_salt: str | None) -> str:
     if request_salt is None:
         return tenant
     return hashlib.sha256(_COMBINED_DOMAIN + tenant.encode() + b"\0" + request_salt.encode()).hexdigest()
+
+
+def caller(scope: Scope) -> str:
+    """Who sent the request being handled, for per-client limits: the API key it presented
+    (by its position among the configured keys, never the key), else its address."""
+    key = _caller_key.get()
+    if key is not None:
+        return f"key {key}"
+    client = scope.get("client")
+    return f"address {client[0]}" if client else "address unknown"
 
 
 def request_salt(request_salt: str | None) -> str:
@@ -81,10 +93,10 @@ class ApiKeyAuth:
             await self.app(scope, receive, send)
             return
         given = next((v for n, v in scope["headers"] if n == b"authorization"), b"")
-        found, salt, is_admin = False, None, False
-        for expected, tenant, admin_key in self._expected:  # every key compared: no early exit
+        found, salt, is_admin, index = False, None, False, None
+        for i, (expected, tenant, admin_key) in enumerate(self._expected):  # all compared: no early exit
             if hmac.compare_digest(given, expected):
-                found, salt, is_admin = True, tenant, admin_key
+                found, salt, is_admin, index = True, tenant, admin_key, i
         if not found:
             await _deny(401, "invalid or missing API key: send 'Authorization: Bearer <key>'")(
                 scope, receive, send)
@@ -93,11 +105,12 @@ class ApiKeyAuth:
             await _deny(403, "the admin API needs an admin key ($PDSERVE_ADMIN_API_KEY); API keys "
                              "of tenants are not admins")(scope, receive, send)
             return
-        token = _tenant_salt.set(salt)
+        token, key_token = _tenant_salt.set(salt), _caller_key.set(index)
         try:
             await self.app(scope, receive, send)
         finally:
             _tenant_salt.reset(token)
+            _caller_key.reset(key_token)
 
 
 def _deny(status: int, message: str) -> ASGIApp:

@@ -1,6 +1,6 @@
 """The request fields that constrain a sample's output (structured outputs), as OpenAI and vLLM
 write them; both request models inherit `StructuredFields`. Only their form is checked here:
-services/router/structured.py turns them into the one constraint a request may carry.
+services/router/api/structured.py turns them into the one constraint a request may carry.
 
 - OpenAI's `response_format`: `{"type": "text"}` (no constraint), `{"type": "json_object"}`,
   `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`, and

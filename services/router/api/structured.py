@@ -19,8 +19,8 @@ from typing import Any
 
 from engine.structured.params import KINDS, StructuredOutputsParams
 from engine.structured.select import choose_backend
+from services.router.api.structured_fields import StructuredFields
 from services.router.errors import OpenAIError
-from services.router.structured_fields import StructuredFields
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

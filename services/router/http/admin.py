@@ -21,10 +21,10 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from services.router.dispatch import Dispatcher
+from services.router.api.openai_models import WorkerChange
+from services.router.dispatch.dispatcher import Dispatcher
+from services.router.dispatch.pool import WorkerPool
 from services.router.errors import OpenAIError
-from services.router.openai_models import WorkerChange
-from services.router.pool import WorkerPool
 
 CONNECT_TIMEOUT_S = 2.0
 _LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"  # RFC 1123, and '_' as compose names have

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-from services.router.background import Background
+from services.router.dispatch.background import Background
 from services.worker.client import WorkerError
 
 Why = Literal["stalled", "unhealthy"]

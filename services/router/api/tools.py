@@ -26,10 +26,9 @@ from typing import Any
 
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.select import choose_backend
-from services.router.errors import OpenAIError
-from services.router.openai_models import ChatCompletionRequest
-from services.router.tool_fields import NamedToolChoice, Tool
-from services.router.tool_parser import (
+from services.router.api.openai_models import ChatCompletionRequest
+from services.router.api.tool_fields import NamedToolChoice, Tool
+from services.router.api.tool_parser import (
     CallStart,
     Content,
     Event,
@@ -38,10 +37,11 @@ from services.router.tool_parser import (
     RequiredParser,
     ToolParser,
 )
+from services.router.errors import OpenAIError
 
 TOOL_CALL_PARSERS = ("hermes",)
 Choose = Callable[[StructuredOutputsParams], StructuredOutputsParams]
-TEMPLATES = Path(__file__).parent / "templates"  # the chat templates pdserve ships, by name
+TEMPLATES = Path(__file__).parents[1] / "templates"  # the chat templates pdserve ships, by name
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 

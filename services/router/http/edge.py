@@ -25,8 +25,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvstore.ports import listen
+from services.router.api.openai_models import error_body
 from services.router.config import RouterConfig
-from services.router.openai_models import error_body
 
 
 class BodyLimit:

@@ -22,13 +22,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from engine.detokenizer import decode_token
-from services.router.dispatch import NoWorkerError
+from services.router.api.openai_models import completion_body, error_body, usage_body
+from services.router.api.prompt_render import echo_logprobs, prompt_logprobs_body, top_candidates
+from services.router.api.tools import ChoiceCalls, ToolPlan
+from services.router.dispatch.dispatcher import NoWorkerError
 from services.router.errors import from_dispatch
-from services.router.generation import Admission, Delta, Generator
-from services.router.hot_path import SSEResponse
-from services.router.openai_models import completion_body, error_body, usage_body
-from services.router.prompt_render import echo_logprobs, prompt_logprobs_body, top_candidates
-from services.router.tools import ChoiceCalls, ToolPlan
+from services.router.fanout import Delta
+from services.router.generation import Admission, Generator
+from services.router.http.hot_path import SSEResponse
 from services.worker.client import WorkerError
 
 

@@ -2,7 +2,7 @@
 
 Validation errors name the field; the app turns them into 400 OpenAI error bodies. Fields of
 the OpenAI / vLLM APIs that are not implemented yet are refused with a 400 naming them
-(services/router/unsupported.py); fields neither API defines are ignored with a debug log line.
+(services/router/api/unsupported.py); fields neither API defines are ignored with a debug log line.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pydantic import (
     field_validator,
 )
 
-from services.router import unsupported
-from services.router.structured_fields import StructuredFields
-from services.router.tool_fields import MAX_TOOLS, ToolCall, ToolFields
+from services.router.api import unsupported
+from services.router.api.structured_fields import StructuredFields
+from services.router.api.tool_fields import MAX_TOOLS, ToolCall, ToolFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
@@ -396,7 +396,7 @@ class WorkerChange(BaseModel):
 
     role: Literal["prefill", "decode", "colocated"]
     # The form only (drain / remove name a worker the router knows); POST /admin/workers checks
-    # the host, the port's range and that the target answers (services/router/admin.py).
+    # the host, the port's range and that the target answers (services/router/http/admin.py).
     target: Annotated[StrictStr, Field(min_length=3, max_length=255,
                                        pattern=r"^(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):[0-9]{1,5}$")]
     force: StrictBool = False

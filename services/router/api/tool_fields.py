@@ -1,5 +1,5 @@
 """The request fields of tool calling, as OpenAI and vLLM write them (only their form is checked
-here; services/router/tools.py checks them against each other and the router's flags):
+here; services/router/api/tools.py checks them against each other and the router's flags):
 
 - `tools`: `[{"type": "function", "function": {"name", "description", "parameters", "strict"}}]`;
 - `tool_choice`: "none", "auto", "required" or `{"type": "function", "function": {"name": ...}}`;

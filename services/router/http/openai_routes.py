@@ -1,0 +1,92 @@
+"""The OpenAI routes: `/v1/completions`, `/v1/chat/completions` (through HotPath: the raw body to
+`prepare`, then dispatch) and `/v1/models`.
+
+A body of at most `inline_bytes` is prepared on the event loop (~1 ms); a larger one in the
+tokenizer pool, its shape checked before it is parsed (prepare.py), so no request holds the loop
+while its JSON is parsed, its template rendered or its prompt tokenized; of bodies over
+`heavy_bytes` a caller gets at most `max_heavy_per_caller` under way at once (http/heavy.py).
+The FastAPI routes of the two hot paths exist for the API schema: HotPath answers every POST
+there itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Scope
+
+from services.router.api.openai_models import (
+    MODELS_RESPONSES,
+    OPENAI_RESPONSES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    models_body,
+)
+from services.router.errors import OpenAIError
+from services.router.generation import Generator
+from services.router.http.heavy import HeavyLimit
+from services.router.http.hot_path import Handler
+from services.router.http.render import respond
+from services.router.http.tenants import caller
+from services.router.prepare import Prepared, check_model, prepare_chat, prepare_completion
+
+Prepare = Callable[[Generator, bytes, bool], Prepared]
+
+
+async def execute(prepared: Prepared) -> JSONResponse | StreamingResponse:
+    """Admission, then the samples dispatched and the response written."""
+    reply = prepared.reply
+    gen = reply.gen
+    admission = gen.admit()
+    gen.metrics.prompt_tokens.inc(sum(reply.prompt_lens))
+    deltas = gen.run(reply.request_id, prepared.prompts, prepared.options)
+    return await respond(reply, deltas, prepared.stream, admission)
+
+
+def openai_routes(gen: Callable[[], Generator], heavy: Callable[[], HeavyLimit]
+                  ) -> tuple[APIRouter, dict[str, Handler]]:
+    """The routes, and HotPath's handlers of the two generation endpoints."""
+    router = APIRouter()
+
+    async def run(prepare: Prepare, raw: bytes, scope: Scope | None) -> Response:
+        g = gen()
+        try:
+            if len(raw) <= g.config.inline_bytes:
+                prepared = prepare(g, raw, False)
+            elif len(raw) <= g.config.heavy_bytes:
+                prepared = await g.in_pool(prepare, g, raw, True)
+            else:
+                with heavy().slot(caller(scope) if scope is not None else "", g.config.retry_after_s):
+                    prepared = await g.in_pool(prepare, g, raw, True)
+            return await execute(prepared)
+        except OpenAIError as e:
+            return e.response()
+
+    @router.get("/v1/models", responses=MODELS_RESPONSES)
+    async def models() -> dict[str, Any]:
+        return models_body(gen().config.model)
+
+    @router.get("/v1/models/{model_id:path}", responses=MODELS_RESPONSES)
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(gen(), model_id)
+        card: dict[str, Any] = models_body(gen().config.model)["data"][0]
+        return card
+
+    @router.post("/v1/completions", response_model=None, responses=OPENAI_RESPONSES)
+    async def completions(body: CompletionRequest) -> Response:
+        return await run(prepare_completion, body.model_dump_json(exclude_unset=True).encode(), None)
+
+    @router.post("/v1/chat/completions", response_model=None, responses=OPENAI_RESPONSES)
+    async def chat(body: ChatCompletionRequest) -> Response:
+        return await run(prepare_chat, body.model_dump_json(exclude_unset=True).encode(), None)
+
+    def handler(prepare: Prepare) -> Handler:
+        def handle(raw: bytes, scope: Scope) -> Awaitable[Response]:
+            return run(prepare, raw, scope)
+        return handle
+
+    return router, {"/v1/completions": handler(prepare_completion),
+                    "/v1/chat/completions": handler(prepare_chat)}
