@@ -49,14 +49,17 @@ class EngineConfig:
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     kv_chunk_size: int = 256
     kv_lease_s: float = 60.0
-    # Every KV store call's limit (lookups, leases and releases, which the scheduler makes inside
+    # Every KV store call's limit (lookups, leases and releases, which the scheduler makes beside
     # the engine's loop: kv_store_control_timeout_s); a store that timed out or was unreachable
-    # is then left alone for kv_store_timeout_s (the connector recomputes meanwhile). A step waits
-    # at most kv_save_wait_s for its saves (later ones go on in the background; a consumer that
-    # misses them recomputes).
+    # is then left alone for kv_store_timeout_s (the connector recomputes meanwhile). No step
+    # waits on the store long: at most kv_save_wait_s for its saves (later ones go on in the
+    # background; a consumer that misses them recomputes; a store that just failed is not waited
+    # for at all), at most kv_load_wait_s for its layer-wise loads (then they fail and their
+    # requests recompute), and lookups not at all beyond 50 ms (their requests wait meanwhile).
     kv_store_timeout_s: float = 10.0
     kv_store_control_timeout_s: float = 1.0
     kv_save_wait_s: float = 5.0
+    kv_load_wait_s: float = 1.0
     # "async": the request waits in WAITING_FOR_REMOTE_KVS while its KV loads, others run (it
     # joins the step after the one its load finished in);
     # "layerwise": loaded inside the step that computes the rest, each layer waited for in turn
@@ -105,6 +108,7 @@ class EngineConfig:
         _check(self.kv_store_timeout_s > 0, "kv_store_timeout_s",
                f"must be positive, got {self.kv_store_timeout_s}")
         _check(self.kv_save_wait_s > 0, "kv_save_wait_s", f"must be positive, got {self.kv_save_wait_s}")
+        _check(self.kv_load_wait_s > 0, "kv_load_wait_s", f"must be positive, got {self.kv_load_wait_s}")
         _check(self.kv_store_control_timeout_s > 0, "kv_store_control_timeout_s",
                f"must be positive, got {self.kv_store_control_timeout_s}")
         _check(self.attention_backend in _BACKENDS, "attention_backend",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
+from engine.connector.keys import key_scheme
 from engine.connector.transfer_params import check_transfer_params
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import (
@@ -76,8 +77,7 @@ class EngineCore:
         if config.kv_connector is not None:
             from engine.connector.factory import make_kvstore_connector
 
-            sched_half, worker_half = make_kvstore_connector(
-                config, model.num_layers, self.scheduler, self.kv_cache_manager)
+            sched_half, worker_half = make_kvstore_connector(config, model.num_layers)
             self.scheduler.connector = sched_half
             self.runner.set_connector(worker_half)
         logger.info("engine core ready: %s on %s (%s attention), %d KV blocks of %d tokens, "
@@ -198,6 +198,8 @@ class EngineCore:
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
         self.structured.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
         if self.runner.connector is not None:
             self.runner.connector.shutdown()
 
@@ -218,7 +220,11 @@ class EngineCore:
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1 in the engine core; the front end "
                              "fans out n > 1")
-        check_transfer_params(request.sampling_params.kv_transfer_params, n, self.config.kv_chunk_size)
+        params = request.sampling_params.kv_transfer_params
+        check_transfer_params(params, n, self.config.kv_chunk_size)
+        if params and params.get("do_remote_prefill"):
+            key_scheme(self.config).check_keys(params.get("keys", []), request.prompt_token_ids[
+                :params.get("num_tokens", 0)], request.cache_salt)
 
 
 def _num_blocks(config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device,

@@ -1,14 +1,19 @@
-"""Checksums of stored KV objects: keyed BLAKE3 over the object's key, metadata and payload.
+"""Checksums of stored KV objects: keyed BLAKE3 over the object's key, the tokens it was computed
+for, its metadata and payload.
 
-A producer computes `checksum(key, metadata, payload)` for every object it saves and the store
-keeps it beside the object (it never holds the integrity key, so it stores and returns the
-checksum without checking it); a consumer calls `verify` on what it loads and treats a failure
-as a missing object. What is covered, in this order:
+A producer computes `checksum(key, metadata, payload, tokens=digest)` for every object it saves
+and the store keeps it beside the object (it never holds the integrity key, so it stores and
+returns the checksum without checking it); a consumer calls `verify` with the digest of its own
+tokens on what it loads and treats a failure as a missing object. What is covered, in order:
 
-    u64le(len(key)) || key (utf-8) || u64le(len(metadata)) || metadata || payload
+    u64le(len(key)) || key (utf-8) || u64le(len(tokens)) || tokens ||
+    u64le(len(metadata)) || metadata || payload
 
-so a payload byte flipped, a metadata header changed, or a valid object copied under another
-key all fail. With an integrity key (`PDSERVE_KV_INTEGRITY_KEY` or `..._FILE`: any text, turned
+`tokens` is the chunk's token digest (engine/connector/keys.py: a BLAKE3 chain over the prompt's
+tokens up to the chunk's end, salt included), so a payload byte flipped, a metadata header
+changed, a valid object copied under another key, or KV computed for other tokens found under a
+colliding key (LMCache's chunk hash is Python's builtin hash) all fail.
+With an integrity key (`PDSERVE_KV_INTEGRITY_KEY` or `..._FILE`: any text, turned
 into a 32-byte BLAKE3 key by `derive_key` with the context below) only holders of the key make
 valid checksums: a writer of the store without it (a compromised or misconfigured producer)
 cannot forge KV that a consumer would accept. Without a key the hash is plain BLAKE3: it catches
@@ -68,9 +73,11 @@ def _pieces(payload: Any) -> Iterable[Any]:
     return [payload]
 
 
-def checksum(key: str, metadata: bytes, payload: Any, integrity_key: bytes | None) -> bytes:
+def checksum(key: str, metadata: bytes, payload: Any, integrity_key: bytes | None,
+             tokens: bytes = b"") -> bytes:
     """The 32-byte checksum of one object; `payload` is anything with the buffer protocol
-    (bytes, numpy array, memoryview, pyarrow.Buffer) or a sequence of such pieces."""
+    (bytes, numpy array, memoryview, pyarrow.Buffer) or a sequence of such pieces; `tokens`
+    the digest of the tokens it was computed for (empty: none bound)."""
     pieces = [_bytes_view(p) for p in _pieces(payload)]
     # Large payloads hash on every core (measured on 2 cores: 2.6 -> 3.6 GB/s at 384 KiB,
     # -> 4.6 GB/s at 8 MiB); blake3 lets go of the GIL either way.
@@ -80,6 +87,8 @@ def checksum(key: str, metadata: bytes, payload: Any, integrity_key: bytes | Non
     encoded = key.encode()
     h.update(struct.pack("<Q", len(encoded)))
     h.update(encoded)
+    h.update(struct.pack("<Q", len(tokens)))
+    h.update(tokens)
     h.update(struct.pack("<Q", len(metadata)))
     h.update(metadata)
     for piece in pieces:
@@ -88,10 +97,10 @@ def checksum(key: str, metadata: bytes, payload: Any, integrity_key: bytes | Non
 
 
 def verify(key: str, metadata: bytes, payload: Any, expected: bytes,
-           integrity_key: bytes | None) -> bool:
-    """Whether `expected` is the object's checksum (constant-time compare). An empty checksum
-    fails when an integrity key is configured (anyone could have written the object) and
-    passes without one (objects written by LMCache clients carry none)."""
+           integrity_key: bytes | None, tokens: bytes = b"") -> bool:
+    """Whether `expected` is the object's checksum for `tokens` (constant-time compare). An
+    empty checksum fails when an integrity key is configured (anyone could have written the
+    object) and passes without one (objects written by LMCache clients carry none)."""
     if not expected:
         return integrity_key is None
-    return hmac.compare_digest(checksum(key, metadata, payload, integrity_key), expected)
+    return hmac.compare_digest(checksum(key, metadata, payload, integrity_key, tokens), expected)

@@ -68,6 +68,9 @@ class KVConnectorScheduler(abc.ABC):
     def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027
         """Optional: bookkeeping on what the worker half finished."""
 
+    def shutdown(self) -> None:  # noqa: B027
+        """Optional: stop background threads."""
+
 
 class KVConnectorWorker(abc.ABC):
     @abc.abstractmethod

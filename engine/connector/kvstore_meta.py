@@ -13,6 +13,7 @@ class LoadSpec:
     chunk_keys: list[str]  # CacheEngineKey strings, one per chunk (the layer is appended)
     start: int
     end: int
+    token_digests: list[bytes] = field(default_factory=list)  # per chunk: what checksums bind
     block_ids: list[int] = field(default_factory=list)
     layerwise: bool = False  # loaded inside the step that computes the rest (forward waits per layer)
 
@@ -25,6 +26,7 @@ class SaveSpec:
     chunk_keys: list[str]
     chunks: list[tuple[int, int, int]]
     block_ids: list[int]
+    token_digests: list[bytes] = field(default_factory=list)  # per chunk (keys.py)
 
 
 @dataclass

@@ -1,21 +1,31 @@
 """Scheduler half of the KV store connector (no tensors).
 
 Keys: a prompt is cut into chunks of `kv_chunk_size` tokens, each keyed by LMCache's chunk hash
-chain (`CacheEngineKey` strings; the worker appends the layer), so any engine of the same model
-finds prefixes that any other engine saved (cross-instance reuse). Producers (and `kv_both`)
-save every prompt chunk once it is computed; a finished `do_remote_decode` request returns
-`kv_transfer_params` (keys, token count, transfer id) and leases its objects in the store so
-they survive until the consumer acknowledges (releases) them or the lease expires. Consumers
-load either what `do_remote_prefill` params name or the longest prefix found in the store.
+chain (`CacheEngineKey` strings; the worker appends the layer) and bound to its tokens by a token
+digest (engine/connector/keys.py), so any engine of the same model finds prefixes that any other
+engine saved (cross-instance reuse) and never takes KV computed for other tokens. Producers (and
+`kv_both`) save every prompt chunk once it is computed; a finished `do_remote_decode` request
+returns `kv_transfer_params` (keys, token count, transfer id) and leases its objects in the store
+so they survive until the consumer acknowledges (releases) them or the lease expires. Consumers
+load what `do_remote_prefill` names, under the keys of their own tokens (the worker's edge refuses
+a call whose keys disagree), or the longest prefix found in the store.
+
+The store is never waited on inside a step for longer than `lookup_wait_s`: lookups run in a
+background thread (a request whose lookup has not answered waits in the queue, "ask again
+later", while everything else runs; one that fails or times out computes locally), and leases and
+releases are sent from it without waiting (a lost one only shortens or lengthens a lease).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.connector.base import KVConnectorOutput, KVConnectorScheduler
+from engine.connector.keys import KeyScheme
 from engine.connector.kvstore_meta import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
@@ -25,132 +35,164 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class StoreConnectorOptions:
+    role: str  # kv_producer, kv_consumer or kv_both
+    num_layers: int
+    lease_s: float  # how long a producer's objects are kept for their consumer
+    store_url: str  # what kv_transfer_params tell the consumer
+    load_mode: str = "async"  # "async", "layerwise" or "auto" (EngineConfig.kv_load_mode)
+    layerwise_max_tokens: int = 0  # "auto": layer-wise up to this many tokens
+    lookup_wait_s: float = 0.05  # the longest a step waits for a lookup before asking again later
+
+
+@dataclass
+class _Tracked:
+    """One request, from when the connector first sees it until `request_finished`."""
+
+    prompt_ids: list[int]
+    salt: str | None
+    transfer: dict[str, Any]  # its kv_transfer_params ({} without)
+    keys: list[str] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0  # chunks saved (or known to be in the store) from the start
+    lookup: Future[int] | None = None  # the store's prefix of it, in chunks (asked once)
+    pending_load: LoadSpec | None = None  # matched, waiting for its blocks
+    loading: LoadSpec | None = None  # handed to the worker half
+    released: bool = False  # the transfer was acknowledged to its producer
+    no_save_this_step: bool = False  # a layer-wise load: this step's KV rests on it
+
+
 class KVStoreConnectorScheduler(KVConnectorScheduler):
-    def __init__(self, role: str, client: Any, model_name: str, dtype: str, num_layers: int,
-                 chunk_size: int, lease_s: float, store_url: str,
-                 get_request: Callable[[str], Request | None],
-                 get_block_ids: Callable[[str], list[int]], load_mode: str = "async",
-                 layerwise_max_tokens: int = 0) -> None:
-        self.role = role
+    def __init__(self, client: Any, scheme: KeyScheme, options: StoreConnectorOptions,
+                 calls: ThreadPoolExecutor | None = None) -> None:
         self.client = client
-        self.model_name = model_name
-        self.dtype = dtype
-        self.num_layers = num_layers
-        self.chunk_size = chunk_size
-        self.lease_s = lease_s
-        self.store_url = store_url
-        self._get_request = get_request
-        self._get_block_ids = get_block_ids
-        self.load_mode = load_mode  # "async", "layerwise" or "auto" (see EngineConfig)
-        self.layerwise_max_tokens = layerwise_max_tokens
-        self._pending_load: dict[str, LoadSpec] = {}
+        self.scheme = scheme
+        self.options = options
+        self.chunk_size = scheme.chunk_size
+        # One thread: the store's answers keep their order; the step never waits on it long.
+        self._calls = calls or ThreadPoolExecutor(1, thread_name_prefix="kv-control")
+        self._tracked: dict[str, _Tracked] = {}
         self._loads_to_start: list[LoadSpec] = []
-        self._loading: dict[str, LoadSpec] = {}
-        self._chunk_keys: dict[str, list[str]] = {}
-        self._saved_chunks: dict[str, int] = {}
-        self._found: dict[str, int] = {}  # store lookups, once per request
-        self._released: set[str] = set()  # transfers this consumer acknowledged
-        self._no_save_this_step: set[str] = set()
 
     @property
     def saves(self) -> bool:
-        return self.role in ("kv_producer", "kv_both")
+        return self.options.role in ("kv_producer", "kv_both")
 
     @property
     def loads(self) -> bool:
-        return self.role in ("kv_consumer", "kv_both")
+        return self.options.role in ("kv_consumer", "kv_both")
 
-    def chunk_keys(self, request: Request) -> list[str]:
-        """The request's prompt chunk keys; a salted request's chain starts from its salt."""
-        keys = self._chunk_keys.get(request.request_id)
-        if keys is None:
-            from kvstore.lmcache_format import NONE_HASH, CacheEngineKey, chunk_hashes, salt_prefix_hash
+    def _track(self, req_id: str, prompt_ids: list[int], salt: str | None,
+               transfer: dict[str, Any] | None) -> _Tracked:
+        tracked = self._tracked.get(req_id)
+        if tracked is None:
+            tracked = self._tracked[req_id] = _Tracked(prompt_ids, salt, dict(transfer or {}))
+            tracked.keys = self.scheme.chunk_keys(prompt_ids, salt)
+            tracked.digests = self.scheme.token_digests(prompt_ids, salt)
+        return tracked
 
-            salt = request.cache_salt
-            first = salt_prefix_hash(salt) if salt is not None else NONE_HASH
-            keys = [CacheEngineKey(self.model_name, 1, 0, h, self.dtype).to_string()
-                    for h in chunk_hashes(request.prompt_token_ids, self.chunk_size,
-                                          save_unfull_chunk=True, prefix_hash=first)]
-            self._chunk_keys[request.request_id] = keys
-        return keys
+    def _track_request(self, request: Request) -> _Tracked:
+        return self._track(request.request_id, list(request.prompt_token_ids), request.cache_salt,
+                           request.sampling_params.kv_transfer_params)
 
     def layer_keys(self, chunk_keys: list[str]) -> list[str]:
-        return [f"{k}@{layer}" for k in chunk_keys for layer in range(self.num_layers)]
+        return [f"{k}@{layer}" for k in chunk_keys for layer in range(self.options.num_layers)]
 
     # --- loads ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        tracked = self._track_request(request)
         if not self.loads:
             return 0, False
-        params = request.sampling_params.kv_transfer_params or {}
         limit = request.num_tokens - 1  # the last token is always computed here (logits)
-        if params.get("do_remote_prefill"):
-            keys = [str(k) for k in params.get("keys", [])]
-            available = min(int(params.get("num_tokens", 0)), len(keys) * self.chunk_size)
+        if tracked.transfer.get("do_remote_prefill"):
+            # The producer's prompt is the first num_tokens of ours: its keys are ours for them.
+            n = min(int(tracked.transfer.get("num_tokens", 0)), len(tracked.prompt_ids))
+            keys = self.scheme.chunk_keys(tracked.prompt_ids[:n], tracked.salt)
+            digests = self.scheme.token_digests(tracked.prompt_ids[:n], tracked.salt)
+            available = min(n, len(tracked.transfer.get("keys", [])) * self.chunk_size)
         else:
-            keys = self.chunk_keys(request)
-            found = self._found.get(request.request_id)
-            if found is None:  # one lookup per request, not one per step it waits
-                last_layer = [f"{k}@{self.num_layers - 1}" for k in keys]
-                try:
-                    found = int(self.client.lookup(last_layer))
-                except Exception as exc:  # an unreachable store means "compute"
-                    logger.warning("kv store lookup failed, computing locally: %s", exc)
-                    found = 0
-                self._found[request.request_id] = found
+            found = self._found(tracked)
+            if found is None:
+                return None, False  # the store has not answered yet: ask again next step
+            keys, digests = tracked.keys, tracked.digests
             available = min(found * self.chunk_size, request.num_prompt_tokens)
         end = min(available, limit)
         if end <= num_computed_tokens:
             return 0, False
         layerwise = self._layerwise(end - num_computed_tokens)
-        self._pending_load[request.request_id] = LoadSpec(request.request_id, keys,
-                                                          num_computed_tokens, end,
-                                                          layerwise=layerwise)
+        tracked.pending_load = LoadSpec(request.request_id, keys, num_computed_tokens, end,
+                                        token_digests=digests, layerwise=layerwise)
         return end - num_computed_tokens, not layerwise
+
+    def _found(self, tracked: _Tracked) -> int | None:
+        """Chunks of the prompt the store holds (one lookup per request, in the background); None
+        while it has not answered within lookup_wait_s. A failed lookup means "compute"."""
+        if tracked.lookup is None:
+            last_layer = [f"{k}@{self.options.num_layers - 1}" for k in tracked.keys]
+            tracked.lookup = self._calls.submit(self.client.lookup, last_layer)
+        if not tracked.lookup.done():
+            wait([tracked.lookup], timeout=self.options.lookup_wait_s)
+            if not tracked.lookup.done():
+                return None
+        try:
+            return int(tracked.lookup.result())
+        except Exception as exc:  # an unreachable store means "compute"
+            logger.warning("kv store lookup failed, computing locally: %s", exc)
+            return 0
 
     def _layerwise(self, tokens: int) -> bool:
         """Whether a load of `tokens` tokens goes inside the step that schedules it."""
-        if self.load_mode == "auto":
-            return tokens <= self.layerwise_max_tokens
-        return self.load_mode == "layerwise"
+        if self.options.load_mode == "auto":
+            return tokens <= self.options.layerwise_max_tokens
+        return self.options.load_mode == "layerwise"
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int],
                                  num_external_tokens: int) -> None:
-        spec = self._pending_load.pop(request.request_id, None)
+        tracked = self._track_request(request)
+        spec, tracked.pending_load = tracked.pending_load, None
         if spec is None or num_external_tokens == 0:
             return
         spec.block_ids = list(block_ids)
         self._loads_to_start.append(spec)
-        self._loading[request.request_id] = spec
-        if spec.layerwise:  # what this step computes rests on the load: save it only if it held
-            self._no_save_this_step.add(request.request_id)
+        tracked.loading = spec
+        # what this step computes rests on a layer-wise load: save it only if the load held
+        tracked.no_save_this_step = spec.layerwise
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for req_id in output.finished_recving:
-            spec = self._loading.pop(req_id, None)
-            if spec is None:
+            tracked = self._tracked.get(req_id)
+            if tracked is None or tracked.loading is None:
                 continue
+            spec, tracked.loading = tracked.loading, None
             if req_id in output.load_errors:
                 # A failed layer-wise step saved nothing; save again from the valid chunks.
                 valid = output.valid_loaded_tokens.get(req_id, spec.start)
-                self._saved_chunks[req_id] = 0 if spec.layerwise else valid // self.chunk_size
+                tracked.saved_chunks = 0 if spec.layerwise else valid // self.chunk_size
             else:  # what was loaded is in the store already: do not upload it again
-                self._saved_chunks[req_id] = max(self._saved_chunks.get(req_id, 0),
-                                                 spec.end // self.chunk_size)
-            request = self._get_request(req_id)
-            if request is not None:
-                self._release(request)
+                tracked.saved_chunks = max(tracked.saved_chunks, spec.end // self.chunk_size)
+            self._release(tracked)
 
-    def _release(self, request: Request) -> None:
-        """The consumer's acknowledgement of a transfer: the producer's lease on it ends."""
-        params = request.sampling_params.kv_transfer_params or {}
-        if not params.get("do_remote_prefill") or request.request_id in self._released:
+    def _release(self, tracked: _Tracked) -> None:
+        """The consumer's acknowledgement of a transfer: the producer's lease on it ends (sent in
+        the background; the lease expires on its own if it is lost)."""
+        if not tracked.transfer.get("do_remote_prefill") or tracked.released:
             return
-        self._released.add(request.request_id)
-        try:
-            self.client.release(self.layer_keys([str(k) for k in params.get("keys", [])]))
-        except Exception as exc:  # the lease still expires on its own
-            logger.warning("releasing transfer %s failed: %s", params.get("transfer_id"), exc)
+        tracked.released = True
+        keys = self.layer_keys([str(k) for k in tracked.transfer.get("keys", [])])
+        self._background("releasing transfer", tracked.transfer.get("transfer_id"),
+                         lambda: self.client.release(keys))
+
+    def _background(self, what: str, name: object, call: Callable[[], object]) -> None:
+        def run() -> None:
+            try:
+                call()
+            except Exception as exc:
+                logger.warning("%s %s failed: %s", what, name, exc)
+
+        self._calls.submit(run)
 
     # --- saves ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
@@ -158,48 +200,60 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         self._loads_to_start = []
         if not self.saves:
             return meta
-        before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-        before.update({r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_cached_reqs})
-        skip, self._no_save_this_step = self._no_save_this_step, set()
+        before: dict[str, int] = {}
+        for new in scheduler_output.scheduled_new_reqs:  # all their blocks
+            tracked = self._track(new.req_id, new.token_ids[:new.num_prompt_tokens], new.cache_salt,
+                                  new.sampling_params.kv_transfer_params)
+            tracked.block_ids = list(new.block_ids)
+            before[new.req_id] = new.num_computed_tokens
+        for cached in scheduler_output.scheduled_cached_reqs:  # their new blocks
+            if cached.req_id in self._tracked:
+                self._tracked[cached.req_id].block_ids.extend(cached.new_block_ids)
+            before[cached.req_id] = cached.num_computed_tokens
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            request = self._get_request(req_id)
-            if request is None or req_id in skip:
+            step = self._tracked.get(req_id)
+            if step is None:
                 continue
-            prompt_len = request.num_prompt_tokens
-            upto = min(before[req_id] + n, prompt_len)
-            total = -(-prompt_len // self.chunk_size) if upto == prompt_len else upto // self.chunk_size
-            first = self._saved_chunks.get(req_id, 0)
-            if total <= first:
-                continue
-            chunks = [(c, c * self.chunk_size, min((c + 1) * self.chunk_size, prompt_len))
-                      for c in range(first, total)]
-            self._saved_chunks[req_id] = total
-            meta.saves.append(SaveSpec(req_id, self.chunk_keys(request),
-                                       chunks, self._get_block_ids(req_id)))
+            skip, step.no_save_this_step = step.no_save_this_step, False
+            save = None if skip else self._save_spec(req_id, step, before[req_id] + n)
+            if save is not None:
+                meta.saves.append(save)
         return meta
+
+    def _save_spec(self, req_id: str, tracked: _Tracked, computed: int) -> SaveSpec | None:
+        """The chunks computed by the end of this step and not saved yet."""
+        prompt_len = len(tracked.prompt_ids)
+        upto = min(computed, prompt_len)
+        total = -(-prompt_len // self.chunk_size) if upto == prompt_len else upto // self.chunk_size
+        first = tracked.saved_chunks
+        if total <= first:
+            return None
+        chunks = [(c, c * self.chunk_size, min((c + 1) * self.chunk_size, prompt_len))
+                  for c in range(first, total)]
+        tracked.saved_chunks = total
+        return SaveSpec(req_id, tracked.keys, chunks, list(tracked.block_ids), tracked.digests)
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        req_id = request.request_id
-        self._release(request)  # no load happened (local hits, abort, failure): still release
-        self._released.discard(req_id)
-        self._found.pop(req_id, None)
-        self._no_save_this_step.discard(req_id)
-        self._pending_load.pop(req_id, None)
-        self._loading.pop(req_id, None)
-        self._saved_chunks.pop(req_id, None)
-        keys = self._chunk_keys.pop(req_id, None)
-        params = request.sampling_params.kv_transfer_params or {}
+        tracked = self._tracked.pop(request.request_id, None)
+        if tracked is None:  # never scheduled (aborted while waiting)
+            tracked = _Tracked(list(request.prompt_token_ids), request.cache_salt,
+                               dict(request.sampling_params.kv_transfer_params or {}))
+        self._release(tracked)  # no load happened (local hits, abort, failure): still release
+        if tracked.lookup is not None:
+            tracked.lookup.cancel()
+        params = tracked.transfer
         if not (self.saves and params.get("do_remote_decode")) or request.status.name == "FINISHED_ABORTED":
             return False, None
-        keys = keys or self.chunk_keys(request)
-        self._chunk_keys.pop(req_id, None)
-        try:
-            self.client.lease(self.layer_keys(keys), self.lease_s)
-        except Exception as exc:
-            logger.warning("leasing the KV of %s failed: %s", req_id, exc)
+        keys = tracked.keys or self.scheme.chunk_keys(tracked.prompt_ids, tracked.salt)
+        layer_keys, lease_s = self.layer_keys(keys), self.options.lease_s
+        self._background("leasing the KV of", request.request_id,
+                         lambda: self.client.lease(layer_keys, lease_s))
         # Saves of every step finish before the step returns, so the blocks can go now.
         return False, {"do_remote_prefill": True, "keys": keys,
                        "num_tokens": request.num_prompt_tokens,
-                       "transfer_id": params.get("transfer_id", req_id),
-                       "kv_store_url": self.store_url}
+                       "transfer_id": params.get("transfer_id", request.request_id),
+                       "kv_store_url": self.options.store_url}
+
+    def shutdown(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)

@@ -90,6 +90,14 @@ class _LoadState:
     valid: int  # tokens from the start still valid (lowered by a bad object)
     error: str | None = None
     nbytes: int = 0  # KV payload received
+    abandoned: bool = False  # a layer-wise load the step stopped waiting for
+
+
+_Item = tuple[str, bytes, Any, bytes]  # key, metadata, payload, token digest (a KV object to put)
+
+
+def _digest(digests: list[bytes], chunk: int) -> bytes:
+    return digests[chunk] if chunk < len(digests) else b""
 
 
 @dataclass
@@ -111,8 +119,13 @@ class WorkerTimings:
 class KVStoreConnectorWorker(KVConnectorWorker):
     def __init__(self, make_client: Callable[[], Any], chunk_size: int,
                  stream_layers: bool = True, save_wait_s: float | None = None,
-                 integrity_key: bytes | None = None) -> None:
+                 integrity_key: bytes | None = None, load_wait_s: float | None = None) -> None:
         self.chunk_size = chunk_size
+        # The longest a step's forward waits for its layer-wise loads in all (None: no bound);
+        # past it they count as failed (their requests recompute) and the forward goes on.
+        self.load_wait_s = load_wait_s
+        self._layer_deadline = 0.0
+        self._store_failed_at = -1e9  # the last send or load the store failed (monotonic)
         # kvstore.integrity.load_key() (the factory passes it); None: plain BLAKE3 checksums
         self.integrity_key = integrity_key
         self.integrity_checks = True  # False: no checksums put, none verified (benchmarks only)
@@ -120,7 +133,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         # False: hold a step's objects and send them all after the last layer (whole-request
         # transfer, for comparison); True: send each layer while the next ones compute.
         self.stream_layers = stream_layers
-        self._held: list[tuple[str, bytes, Any]] = []
+        self._held: list[_Item] = []
         self.timings = WorkerTimings()
         self._stats = KVTransferStats()
         self._stats_lock = threading.Lock()  # loader, layer loader and sender threads update it
@@ -128,7 +141,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._load_client = make_client()
         self.kv_caches: list[torch.Tensor] = []
         self._meta = KVStoreConnectorMetadata()
-        self._queue: queue.Queue[list[tuple[str, bytes, Any]] | None] = queue.Queue(maxsize=64)
+        self._queue: queue.Queue[list[_Item] | None] = queue.Queue(maxsize=64)
         self._unsent = 0
         self._sent = threading.Condition()
         self.send_errors = 0
@@ -161,13 +174,14 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             for chunk, start, end in spec.chunks:
                 data = gather_tokens(kv_cache, spec.block_ids, start, end)
                 meta = RemoteMetadata.single(tuple(data.shape), data.dtype, MemoryFormat.KV_T2D).pack()
-                items.append((f"{spec.chunk_keys[chunk]}@{layer}", meta, data.view(torch.uint8).numpy()))
+                items.append((f"{spec.chunk_keys[chunk]}@{layer}", meta, data.view(torch.uint8).numpy(),
+                              _digest(spec.token_digests, chunk)))
         if not self.stream_layers:
             self._held.extend(items)
             return
         self._enqueue(items)
 
-    def _enqueue(self, items: list[tuple[str, bytes, Any]]) -> None:
+    def _enqueue(self, items: list[_Item]) -> None:
         with self._sent:
             self._unsent += 1
         self._queue.put(items)
@@ -182,11 +196,13 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             try:
                 # Hashed here, off the forward's thread (blake3 lets go of the GIL).
                 key = self.integrity_key
-                self._send_client.put([(k, meta, data, integrity.checksum(k, meta, data, key))
-                                       for k, meta, data in items] if self.integrity_checks else items)
+                self._send_client.put([(k, meta, data, integrity.checksum(k, meta, data, key, tokens))
+                                       for k, meta, data, tokens in items] if self.integrity_checks
+                                      else [(k, meta, data) for k, meta, data, _ in items])
             except Exception as exc:
                 failed = True
                 self.send_errors += 1
+                self._store_failed_at = time.monotonic()
                 logger.warning("saving %d KV objects failed: %s", len(items), exc)
             self._record_save(items, time.perf_counter() - start, failed)
             with self._sent:
@@ -198,9 +214,11 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         if self._held:
             held, self._held = self._held, []
             self._enqueue(held)
+        # A store that failed a call within save_wait_s is not waited for: its sends go on behind.
+        down = self.save_wait_s is not None and time.monotonic() - self._store_failed_at < self.save_wait_s
         with self._sent:
             busy = self._unsent > 0
-            done = self._sent.wait_for(lambda: self._unsent == 0, timeout=self.save_wait_s)
+            done = self._sent.wait_for(lambda: self._unsent == 0, timeout=0 if down else self.save_wait_s)
         if not done:  # a slow or frozen store: the step goes on, the sends too
             logger.warning("KV saves still under way after %.1f s; the step goes on", self.save_wait_s)
         if busy:
@@ -217,9 +235,15 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Async loads run ahead of scheduling (the request waits in WAITING_FOR_REMOTE_KVS);
-        layer-wise loads of this step make the forward wait here for layer `layer` only."""
-        if self._layer_events:
-            self._layer_events[layer].wait()
+        layer-wise loads of this step make the forward wait here for layer `layer` only, until
+        the step's load_wait_s is spent: then they all count as failed (the scheduler drops what
+        the step computed for their requests and recomputes them) and no later layer waits."""
+        if not self._layer_events:
+            return
+        timeout = None if self.load_wait_s is None else max(0.0, self._layer_deadline - time.monotonic())
+        if not self._layer_events[layer].wait(timeout):
+            self._abandon_layerwise(f"the KV store did not deliver layer {layer} within "
+                                    f"{self.load_wait_s:g} s")
 
     def _load(self, spec: LoadSpec) -> tuple[int, str | None]:
         """Loads every layer (one store call for all objects where the store shares memory
@@ -233,6 +257,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             for i, obj in self._load_client.get_stream(keys, batch=len(chunks)):
                 self._apply(spec, i // len(chunks), chunks[i % len(chunks)], obj, state)
         except Exception as exc:  # store unreachable etc.: nothing loaded
+            self._store_failed_at = time.monotonic()
             state.valid, state.error = spec.start, f"loading from the KV store failed: {exc}"
         finally:
             self._record_load(spec, state, time.perf_counter() - start)
@@ -271,7 +296,8 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                 problem = f"has bad metadata: {exc}"
         if problem is None:
             assert obj is not None
-            problem = self._check_integrity(f"{spec.chunk_keys[c]}@{layer}", obj)
+            problem = self._check_integrity(f"{spec.chunk_keys[c]}@{layer}", obj,
+                                            _digest(spec.token_digests, c))
         if problem is not None:
             state.valid = min(state.valid, lo)
             state.error = state.error or f"KV object of chunk {c} layer {layer} {problem}"
@@ -280,10 +306,11 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
         scatter_tokens(kv, spec.block_ids, lo, data[lo - c * cs: hi - c * cs])
 
-    def _check_integrity(self, key: str, obj: Any) -> str | None:
-        """None when the object's checksum verifies; else why not (counted and logged)."""
+    def _check_integrity(self, key: str, obj: Any, tokens: bytes) -> str | None:
+        """None when the object's checksum verifies for these tokens; else why not (counted and
+        logged)."""
         if not self.integrity_checks or integrity.verify(key, obj.metadata, obj.data, obj.checksum,
-                                                         self.integrity_key):
+                                                         self.integrity_key, tokens):
             return None
         why = "has a checksum that does not match" if obj.checksum else "has no checksum"
         logger.warning("KV object %s %s (integrity key %s): treated as missing, its tokens are "
@@ -293,12 +320,27 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         return f"failed its integrity check ({why})"
 
     # --- layer-wise loads: inside the step, the forward waits for each layer it needs ----------
+    def _abandon_layerwise(self, why: str) -> None:
+        """This step's layer-wise loads failed (what still arrives is ignored)."""
+        logger.warning("%s: %d layer-wise load(s) fail, their requests recompute", why, len(self._layerwise))
+        self._store_failed_at = time.monotonic()
+        for spec, state in self._layerwise:
+            state.abandoned = True
+            state.valid = spec.start
+            state.error = state.error or why
+        for event in self._layer_events:
+            event.set()
+
     def _start_layerwise(self, specs: list[LoadSpec]) -> None:
         events = [threading.Event() for _ in self.kv_caches]
         states = {spec.req_id: _LoadState(spec.end) for spec in specs}
         self._layer_events = events
         self._layerwise = [(spec, states[spec.req_id]) for spec in specs]
         start = time.perf_counter()
+        self._layer_deadline = time.monotonic() + (self.load_wait_s or 0.0)
+        if self.load_wait_s is not None and time.monotonic() - self._store_failed_at < self.load_wait_s:
+            self._abandon_layerwise("the KV store failed a call just now")  # do not wait on it again
+            return
 
         # Layer-major, every spec's chunks per layer: layer l is complete at its last key.
         plan = [(layer, spec, c) for layer in range(len(events)) for spec in specs
@@ -313,12 +355,15 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                 for i, obj in stream:
                     layer, spec, c = plan[i]
                     state = states[spec.req_id]
+                    if state.abandoned:  # the forward has gone on without it
+                        break
                     if state.valid > spec.start:
                         self._apply(spec, layer, c, obj, state)
                     if (i + 1) % per_layer == 0:
                         events[layer].set()
                         done = layer + 1
             except Exception as exc:  # store unreachable: nothing of it counts
+                self._store_failed_at = time.monotonic()
                 for spec in specs:
                     state = states[spec.req_id]
                     state.valid = spec.start
@@ -334,7 +379,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
         if self._layer_events:
-            self._layer_events[-1].wait()  # a step without a forward still finishes its loads
+            self.wait_for_layer_load(len(self._layer_events) - 1)  # a step without a forward too
             for spec, state in self._layerwise:
                 out.finished_recving.add(spec.req_id)
                 if state.valid < spec.end or state.error is not None:
@@ -361,8 +406,8 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             self._stats.load_bytes += state.nbytes
             self._stats.load_failures += failed
 
-    def _record_save(self, items: list[tuple[str, bytes, Any]], seconds: float, failed: bool) -> None:
-        nbytes = sum(len(meta) + memoryview(data).nbytes for _, meta, data in items)  # no checksums
+    def _record_save(self, items: list[_Item], seconds: float, failed: bool) -> None:
+        nbytes = sum(len(meta) + memoryview(data).nbytes for _, meta, data, _ in items)  # no checksums
         with self._stats_lock:
             self._stats.save_seconds.observe(seconds)
             if failed:

@@ -107,6 +107,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # before this step
+    cache_salt: str | None = None  # only requests of the same salt share KV (a connector's keys)
 
 
 @dataclass

@@ -290,6 +290,8 @@ class Scheduler(KVLoads, GrammarWaits):
                 break
             if request.status == RequestStatus.PREEMPTED:
                 resumed.add(request.request_id)
+                if request.num_new_output_tokens == 0:  # its prompt is computed now (a rolled-back load)
+                    request.times.num_cached_tokens = num_hit_tokens
             else:
                 request.times.first_scheduled_time = now
                 request.times.num_cached_tokens = num_hit_tokens
@@ -318,7 +320,8 @@ class Scheduler(KVLoads, GrammarWaits):
                 self._known_by_runner.add(req_id)
                 new_reqs.append(NewRequestData(
                     req_id, list(request.all_token_ids), request.num_prompt_tokens,
-                    request.sampling_params, new_blocks[req_id], request.num_computed_tokens))
+                    request.sampling_params, new_blocks[req_id], request.num_computed_tokens,
+                    request.cache_salt))
             else:
                 cached_reqs.append(CachedRequestData(
                     req_id, new_blocks[req_id], request.num_computed_tokens))

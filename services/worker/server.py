@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from engine.async_llm import AsyncLLM
+from engine.connector.keys import key_scheme
 from engine.core.outputs import EngineStats
 from protos import worker_pb2_grpc as pb_grpc
 from services.procs import PortInUseError, instance_id, port_free, port_in_use_message
@@ -58,7 +59,8 @@ class WorkerServer:
         check_exposure(o.host, o.token, o.tls, o.no_auth)
         self.options = o
         self.guard = EngineGuard(lambda: AsyncLLM(o.engine_config, True), o.guard, self._on_guard)
-        self.servicer = WorkerServicer(o.role, self.guard, o.heartbeat_s, o.engine.kv_chunk_size)
+        self.servicer = WorkerServicer(o.role, self.guard, o.heartbeat_s, o.engine.kv_chunk_size,
+                                       key_scheme(o.engine))
         self.health = health.aio.HealthServicer()
         self.metrics: WorkerMetrics | None = None
         self.metrics_port: int | None = None  # the bound port, once started

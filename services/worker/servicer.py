@@ -19,6 +19,7 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from engine.async_llm import AsyncLLM
+from engine.connector.keys import KeyScheme
 from engine.connector.transfer_params import check_transfer_params
 from engine.core.outputs import EngineStats
 from engine.core_client import EngineDeadError
@@ -51,11 +52,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     """Worker RPCs over the engine its guard keeps; UNAVAILABLE while that engine does not serve."""
 
     def __init__(self, role: WorkerRole, guard: EngineGuard, heartbeat_s: float = 1.0,
-                 chunk_size: int = 256) -> None:
+                 chunk_size: int = 256, keys: KeyScheme | None = None) -> None:
         self.role = role
         self.guard = guard
         self.heartbeat_s = heartbeat_s
         self.chunk_size = chunk_size  # kv_chunk_size: bounds a Decode's kv_transfer.keys
+        # What this worker's engine stores KV under: a Decode's kv_transfer.keys must be its keys
+        # of the call's own tokens (KV of another prompt is refused, not loaded).
+        self.keys = keys
         self.instance_id = instance_id()
         self._active: set[str] = set()
         self._stats: EngineStats | None = None  # the last snapshot Load got
@@ -123,6 +127,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             ids = token_ids_from_proto(request.token_ids)
             kv = (kv_params_from_proto(request.kv_transfer, len(ids), self.chunk_size)
                   if self.role == "decode" and request.HasField("kv_transfer") else None)
+            if kv is not None and self.keys is not None:  # KV of these tokens only
+                self.keys.check_keys(kv["keys"], ids[:kv["num_tokens"]], request.cache_salt or None)
             return ids, params_from_proto(request.params, RequestOutputKind.DELTA, kv)
 
         ids, params = await _parse(context, parse)

@@ -173,3 +173,33 @@ def test_writer_without_the_integrity_key_cannot_poison_a_prompt_being_served(
         assert free == total
     producer.engine_core.shutdown()
     consumer.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+def test_kv_of_other_tokens_under_the_prompts_own_keys_never_verifies(
+        store: KVStoreService, long_model_dir: Path, expected: dict[int, list[int]],
+        monkeypatch: pytest.MonkeyPatch, load_mode: str) -> None:
+    """What a collision of LMCache's chunk hash (Python's builtin hash) would do: prompt X's
+    genuine KV, with the checksums its producer made, found under prompt Y's keys. The checksums
+    bind the tokens the KV was computed for, so Y's consumer refuses every such object, computes
+    Y itself (its greedy tokens exactly), and caches only that."""
+    monkeypatch.setenv(integrity.KEY_ENV, SECRET)
+    producer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_producer",
+                   kv_store_url=store.location)
+    consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
+                   kv_store_url=store.location, kv_load_mode=load_mode)
+    y = prompt_of(LENGTHS[1], seed=5)
+    x = prompt_of(LENGTHS[1], seed=9)
+    (tok_y, params_y), (_, params_x) = prefill(producer, [y, x])
+    with KVStoreClient(store.location) as c:
+        for key_x, key_y in zip(params_x["keys"], params_y["keys"], strict=True):
+            for layer in range(3):
+                obj = c.get([f"{key_x}@{layer}"])[0]
+                assert obj is not None and obj.checksum
+                c.put([(f"{key_y}@{layer}", obj.metadata, obj.data.to_pybytes(), obj.checksum)])
+    out = decode(consumer, [y], [(tok_y, params_y)])[0]
+    assert [tok_y, *out.outputs[0].token_ids] == expected[LENGTHS[1]]
+    assert integrity_failures(consumer) >= 1
+    assert out.num_cached_tokens == 0
+    producer.engine_core.shutdown()
+    consumer.engine_core.shutdown()

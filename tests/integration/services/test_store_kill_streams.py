@@ -1,0 +1,125 @@
+"""A KV store killed (SIGKILL) under 8 streams, its port then taken by a listener that answers
+nothing (as a store restarting on it looks for a while: calls to it run into their timeout), does
+not stall them: the streams need nothing from the store once their KV is loaded, so every gap
+between their tokens stays under 2 s (the workers' store timeout is its default, 10 s) while 4
+transfers prefilled before the kill arrive at the decode worker and find the store silent (their
+loads would run inside the decode step: they give up within kv_load_wait_s and recompute), and
+every text is the greedy one. Real processes: `pdserve kvstore`, a prefill and a decode `pdserve
+worker`, `pdserve router`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engine.sampling_params import SamplingParams
+from services.worker.client import WorkerClient
+from tests.integration.services.procs_util import Proc, router_proc, store_proc, worker_proc
+
+in_module_loop = pytest.mark.asyncio(loop_scope="module")
+PROMPTS = [f"Stream {i} of the store test: " + "words " * (20 + 6 * i) for i in range(8)]
+LATE = [[300 + (13 * i + 7 * j) % 4000 for j in range(40 + 10 * i)] for i in range(4)]
+NEW_TOKENS = 360
+LATE_TOKENS = 24
+GAP_BOUND_S = 2.0
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir: Path) -> tuple[list[str], list[list[int]]]:
+    from engine.llm import LLM
+
+    with LLM(model=str(model_dir), num_threads=1, max_model_len=512, num_kv_blocks=96) as llm:
+        texts = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy(NEW_TOKENS), use_tqdm=False)]
+        late = [list(o.outputs[0].token_ids) for o in llm.generate(LATE, greedy(LATE_TOKENS), use_tqdm=False)]
+    return texts, late
+
+
+@pytest.fixture(scope="module")
+def stack(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Proc]]:
+    logs = tmp_path_factory.mktemp("logs")
+    procs = {"store": store_proc().wait_ready()}
+    url = f"grpc://{procs['store'].target}"
+    try:
+        for role in ("prefill", "decode"):
+            procs[role] = worker_proc(role, model_dir, url, log=logs / f"{role}.log")
+        for role in ("prefill", "decode"):
+            procs[role].wait_ready()
+        procs["router"] = router_proc(model_dir, [procs["decode"].target], "--max-model-len", "512",
+                                      prefill=(procs["prefill"].target,)).wait_ready()
+        yield procs
+    finally:
+        for proc in reversed(procs.values()):
+            if proc.proc.poll() is None:
+                proc.stop()
+
+
+async def stream(http: httpx.AsyncClient, url: str, prompt: str, started: asyncio.Event,
+                 gaps: list[float]) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text: list[str] = []
+    last = time.monotonic()
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.monotonic()
+            if text:
+                gaps.append(now - last)
+            last = now
+            text.append(json.loads(line[6:])["choices"][0]["text"])
+            if len(text) >= 8:
+                started.set()
+    return "".join(text)
+
+
+async def late_decode(decode: WorkerClient, i: int, first: int, kv: dict[str, object]) -> list[int]:
+    rest = [t async for c in decode.decode(f"late-{i}", [*LATE[i], first], greedy(LATE_TOKENS - 1), kv)
+            for t in c.token_ids]
+    return [first, *rest]
+
+
+@in_module_loop
+async def test_a_killed_store_leaves_the_streams_gaps_under_2_s(
+        stack: dict[str, Proc], expected: tuple[list[str], list[list[int]]]) -> None:
+    url = f"http://{stack['router'].target}"
+    gaps: list[float] = []
+    async with httpx.AsyncClient(timeout=120) as http, \
+            WorkerClient(stack["prefill"].target) as prefill, WorkerClient(stack["decode"].target) as decode:
+        firsts = [await prefill.prefill(f"late-{i}", p, greedy(1), transfer_id=f"late-{i}")
+                  for i, p in enumerate(LATE)]  # their KV is in the store before the kill
+        started = [asyncio.Event() for _ in PROMPTS]
+        tasks = [asyncio.create_task(stream(http, url, p, s, gaps)) for p, s in zip(PROMPTS, started,
+                                                                                     strict=True)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=120)
+        old = stack["store"]
+        old.signal(signal.SIGKILL)  # every stream is past its KV load
+        old.proc.wait()
+        killed_at, before = time.monotonic(), len(gaps)
+        silent = socket.create_server(("127.0.0.1", int(old.target.rsplit(":", 1)[1])), backlog=64)
+        try:
+            late = await asyncio.wait_for(asyncio.gather(*(
+                late_decode(decode, i, f.first_token_id, f.kv_transfer_params or {})
+                for i, f in enumerate(firsts))), timeout=120)
+            texts = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+        finally:
+            silent.close()
+    after = gaps[before:]
+    print(f"store killed {time.monotonic() - killed_at:.1f} s ago; gaps of the 8 streams after it: "
+          f"{len(after)}, max {max(after):.3f} s")
+    assert texts == expected[0]
+    assert late == expected[1]
+    assert after and max(after) < GAP_BOUND_S, sorted(after)[-5:]
