@@ -53,13 +53,14 @@ class EngineConfig:
     # the engine's loop: kv_store_control_timeout_s); a store that timed out or was unreachable
     # is then left alone for kv_store_timeout_s (the connector recomputes meanwhile). No step
     # waits on the store long: at most kv_save_wait_s for its saves (later ones go on in the
-    # background; a consumer that misses them recomputes; a store that just failed is not waited
-    # for at all), at most kv_load_wait_s for its layer-wise loads (then they fail and their
-    # requests recompute), and lookups not at all beyond 50 ms (their requests wait meanwhile).
+    # background; a consumer that misses them recomputes), at most kv_load_wait_s for its
+    # layer-wise loads (then they fail and their requests recompute), and lookups not at all
+    # beyond 50 ms (their requests wait meanwhile); a store that failed is not waited for at all
+    # for kv_store_timeout_s after.
     kv_store_timeout_s: float = 10.0
     kv_store_control_timeout_s: float = 1.0
     kv_save_wait_s: float = 5.0
-    kv_load_wait_s: float = 1.0
+    kv_load_wait_s: float = 0.5
     # "async": the request waits in WAITING_FOR_REMOTE_KVS while its KV loads, others run (it
     # joins the step after the one its load finished in);
     # "layerwise": loaded inside the step that computes the rest, each layer waited for in turn

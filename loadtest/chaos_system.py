@@ -61,7 +61,7 @@ class System:
     """`pdserve up --prefill P --decode D` on free loopback ports."""
 
     def __init__(self, model: str, prefill: int, decode: int, out: Path, extra: list[str]) -> None:
-        self.port, store, p0, d0 = free_ports(4)
+        self.port, store, p0, d0, live = free_ports(5)
         self.url = f"http://127.0.0.1:{self.port}"
         self.state = out / "up-state.json"
         self.log = out / "up.log"
@@ -69,7 +69,8 @@ class System:
         argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--prefill", str(prefill),
                 "--decode", str(decode), "--port", str(self.port), "--kvstore-port", str(store),
                 "--prefill-port", str(p0), "--decode-port", str(d0), "--metrics-port-offset", "0",
-                "--state-file", str(self.state), "--secrets-dir", str(out / "secrets"), *extra]
+                "--router-liveness-port", str(live), "--state-file", str(self.state),
+                "--secrets-dir", str(out / "secrets"), *extra]
         self.secrets = out / "secrets"  # the audit presents the workers' and the operator's tokens
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True,
                                      stderr=open(self.log, "w"))  # noqa: SIM115

@@ -258,6 +258,10 @@ def _add_router(subparsers: Any) -> None:
                         "(pdserve up holds the port across router restarts)")
     p.add_argument("--disable-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json (with an API key they need it)")
+    p.add_argument("--worker-networks", action="append", default=None, metavar="CIDR[,CIDR]",
+                   help="networks a worker added through the admin API may be in (repeatable; default: "
+                        "the private ones, 10/8, 172.16/12, 192.168/16, fc00::/7); loopback, link-local "
+                        "(169.254.169.254: cloud metadata) and public addresses must be listed")
     p.add_argument("--liveness-port", type=int, default=0,
                    help="also answer GET /livez on this port, from a thread of its own: 200 while the "
                         "event loop ran within --liveness-stall-s, whatever a request does to it "
@@ -293,6 +297,14 @@ def _add_router(subparsers: Any) -> None:
     p.set_defaults(func=_run_router)
 
 
+def _networks(given: list[str] | None) -> tuple[str, ...]:
+    from services.router.config import PRIVATE_NETWORKS
+
+    if not given:
+        return PRIVATE_NETWORKS
+    return tuple(n.strip() for spec in given for n in spec.split(",") if n.strip())
+
+
 def _run_router(args: argparse.Namespace) -> int:
     from kvstore.credentials import TLSFiles, read_secret
     from services.procs import PortInUseError
@@ -321,7 +333,8 @@ def _run_router(args: argparse.Namespace) -> int:
                               tool_call_parser=args.tool_call_parser,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               structured_outputs_backend=args.structured_outputs_backend,
-                              max_heavy_per_caller=args.max_heavy_per_caller, max_heavy=args.max_heavy)
+                              max_heavy_per_caller=args.max_heavy_per_caller, max_heavy=args.max_heavy,
+                              worker_networks=_networks(args.worker_networks))
     except ValueError as e:  # a flag the config refuses: the message names it
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2

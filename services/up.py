@@ -157,6 +157,20 @@ def _worker_args(args: argparse.Namespace, folder: str, store: str) -> list[str]
     return out
 
 
+def _up_networks(host: str) -> str:
+    """The networks of the workers `up` (and its autoscaler) start: on `host` (loopback by default)."""
+    import ipaddress
+
+    nets = ["127.0.0.0/8", "::1/128"]
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return ",".join(nets)
+    if not address.is_loopback and not address.is_unspecified:
+        nets.append(str(ipaddress.ip_network(address)))
+    return ",".join(nets)
+
+
 def _liveness_port(args: argparse.Namespace) -> int:
     """The router's liveness port (0: none, /livez on the API port)."""
     return args.port + 1000 if args.router_liveness_port is None else args.router_liveness_port
@@ -231,7 +245,7 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
         specs.append(_worker_spec(args, f"{role}-{i}", role, args.decode_port + i, common,
                                   parse_cpus(args.decode_cpus)))
     router = ["router", "--model", args.model, "--tokenizer", folder, "--host", h,
-              "--port", str(args.port), "--policy", args.policy,
+              "--port", str(args.port), "--policy", args.policy, "--worker-networks", _up_networks(h),
               "--local-prefill-tokens", str(args.local_prefill_tokens), "--fd", str(router_fd)]
     for spec in specs:
         if spec.kind != "kvstore":

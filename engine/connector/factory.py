@@ -23,5 +23,6 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int
     worker = KVStoreConnectorWorker(client, config.kv_chunk_size, config.kv_stream_layers,
                                     save_wait_s=config.kv_save_wait_s,
                                     integrity_key=load_integrity_key(),
-                                    load_wait_s=config.kv_load_wait_s)
+                                    load_wait_s=config.kv_load_wait_s,
+                                    breaker_s=config.kv_store_timeout_s)
     return sched, worker

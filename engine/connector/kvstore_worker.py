@@ -119,8 +119,12 @@ class WorkerTimings:
 class KVStoreConnectorWorker(KVConnectorWorker):
     def __init__(self, make_client: Callable[[], Any], chunk_size: int,
                  stream_layers: bool = True, save_wait_s: float | None = None,
-                 integrity_key: bytes | None = None, load_wait_s: float | None = None) -> None:
+                 integrity_key: bytes | None = None, load_wait_s: float | None = None,
+                 breaker_s: float = 10.0) -> None:
         self.chunk_size = chunk_size
+        # A store that failed a call (or a step's wait) is not waited on for this long after:
+        # saves go on behind the step, layer-wise loads fail at once (as the client's breaker).
+        self.breaker_s = breaker_s
         # The longest a step's forward waits for its layer-wise loads in all (None: no bound);
         # past it they count as failed (their requests recompute) and the forward goes on.
         self.load_wait_s = load_wait_s
@@ -214,8 +218,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         if self._held:
             held, self._held = self._held, []
             self._enqueue(held)
-        # A store that failed a call within save_wait_s is not waited for: its sends go on behind.
-        down = self.save_wait_s is not None and time.monotonic() - self._store_failed_at < self.save_wait_s
+        down = self._store_down()
         with self._sent:
             busy = self._unsent > 0
             done = self._sent.wait_for(lambda: self._unsent == 0, timeout=0 if down else self.save_wait_s)
@@ -320,6 +323,10 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         return f"failed its integrity check ({why})"
 
     # --- layer-wise loads: inside the step, the forward waits for each layer it needs ----------
+    def _store_down(self) -> bool:
+        """Whether the store failed a call (or a step's wait) within breaker_s."""
+        return time.monotonic() - self._store_failed_at < self.breaker_s
+
     def _abandon_layerwise(self, why: str) -> None:
         """This step's layer-wise loads failed (what still arrives is ignored)."""
         logger.warning("%s: %d layer-wise load(s) fail, their requests recompute", why, len(self._layerwise))
@@ -338,8 +345,8 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._layerwise = [(spec, states[spec.req_id]) for spec in specs]
         start = time.perf_counter()
         self._layer_deadline = time.monotonic() + (self.load_wait_s or 0.0)
-        if self.load_wait_s is not None and time.monotonic() - self._store_failed_at < self.load_wait_s:
-            self._abandon_layerwise("the KV store failed a call just now")  # do not wait on it again
+        if self.load_wait_s is not None and self._store_down():
+            self._abandon_layerwise(f"the KV store failed within {self.breaker_s:g} s")  # no wait again
             return
 
         # Layer-major, every spec's chunks per layer: layer l is complete at its last key.

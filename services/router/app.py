@@ -30,7 +30,7 @@ from services.router.api.tools import chat_template_text
 from services.router.config import DEFAULT_MAX_MODEL_LEN, RouterConfig
 from services.router.dispatch.dispatcher import Dispatcher
 from services.router.generation import Generator
-from services.router.http.admin import admin_router
+from services.router.http.admin import admin_router, parse_networks
 from services.router.http.edge import BodyLimit
 from services.router.http.errors_http import add_error_handlers
 from services.router.http.health import health_router
@@ -113,7 +113,7 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.state.router = state
     add_error_handlers(app)
     app.include_router(health_router(lambda: state.gen, instance_id(), _version()))
-    app.include_router(admin_router(lambda: state.gen.dispatcher))
+    app.include_router(admin_router(lambda: state.gen.dispatcher, parse_networks(config.worker_networks)))
     app.include_router(tokens_router(config, lambda: state.gen, lambda: state.heavy))
     app.include_router(endpoints_router())
     routes, hot = openai_routes(lambda: state.gen, lambda: state.heavy)

@@ -7,8 +7,12 @@ from typing import Literal
 
 from services.router.api.tools import TOOL_CALL_PARSERS, chat_template_text
 from services.router.dispatch.dispatcher import DispatchOptions
+from services.router.http.admin import parse_networks
 
 DEFAULT_MAX_MODEL_LEN = 4096  # a router that has heard from no worker yet and was told no length
+# Where workers registered through the admin API may be: private networks. Loopback, link-local
+# (a cloud's metadata service is 169.254.169.254) and public addresses need listing.
+PRIVATE_NETWORKS = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,9 @@ class RouterConfig:
     tenant_cache_salt: bool = False
     # Keys of the admin API (/admin/*), which the API keys of tenants never open.
     admin_keys: tuple[str, ...] = field(default=(), repr=False)
+    # The networks (CIDR) a worker added through the admin API must be in (every address its
+    # name resolves to): the router sends it Load calls with the worker token.
+    worker_networks: tuple[str, ...] = PRIVATE_NETWORKS
     max_waiting: int = 64  # admission: 429 once every healthy worker of a pool has this many queued
     max_inflight: int = 4096  # admission: 429 beyond this many requests in the router
     retry_after_s: int = 1
@@ -82,6 +89,7 @@ class RouterConfig:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's flags)")
         if self.chat_template is not None:
             chat_template_text(self.chat_template)  # a missing file fails at start, not per request
+        parse_networks(self.worker_networks)
 
     @property
     def auto_tools(self) -> bool:

@@ -33,6 +33,7 @@ from protos import worker_pb2_grpc as pb_grpc
 from services.procs import PortInUseError, instance_id, port_free, port_in_use_message
 from services.worker.auth import TokenInterceptor, check_exposure, server_credentials
 from services.worker.convert import MESSAGE_SIZE_OPTIONS
+from services.worker.edge_checks import MalformedRequests
 from services.worker.engine_guard import EngineGaveUp, EngineGuard
 from services.worker.metrics import WorkerMetrics, cache_config_labels
 from services.worker.options import ROLES, WorkerOptions, WorkerRole
@@ -78,8 +79,8 @@ class WorkerServer:
                 raise PortInUseError(port_in_use_message(o.host, port, name))
         # No SO_REUSEPORT unless asked: gRPC would otherwise let a second worker share a taken port.
         interceptors = [*([TokenInterceptor(o.token)] if o.token else []),
-                        *([self.metrics.interceptor] if self.metrics else [])]
-        self.server = grpc.aio.server(interceptors=interceptors or None,
+                        *([self.metrics.interceptor] if self.metrics else []), MalformedRequests()]
+        self.server = grpc.aio.server(interceptors=interceptors,
                                       options=[("grpc.so_reuseport", int(o.reuse_port)),
                                                *MESSAGE_SIZE_OPTIONS])
         pb_grpc.add_WorkerServicer_to_server(self.servicer, self.server)

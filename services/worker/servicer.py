@@ -38,6 +38,7 @@ from services.worker.convert import (
     prompt_logprobs_to_proto,
     token_ids_from_proto,
 )
+from services.worker.edge_checks import check_request
 from services.worker.engine_guard import EngineGuard
 from services.worker.heartbeats import with_heartbeats
 from services.worker.options import WorkerRole
@@ -206,6 +207,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         engine = await self._engine(context)
         if not request_id:
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        try:  # what the router would refuse (services/limits.py), the engine's limits known now
+            check_request(params, len(ids) - num_prior_outputs, cache_salt, engine.config.model_len,
+                          engine.processor.vocab_size)
+        except ValueError as e:
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if request_id in self._active:
             await _fail(context, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is running")
         self._active.add(request_id)

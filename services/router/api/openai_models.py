@@ -27,13 +27,14 @@ from pydantic import (
     field_validator,
 )
 
+from services import limits
 from services.router.api import unsupported
 from services.router.api.structured_fields import StructuredFields
 from services.router.api.tool_fields import MAX_TOOLS, ToolCall, ToolFields
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
-MAX_STOP_STRINGS = 16
+MAX_STOP_STRINGS = limits.MAX_STOP
 MAX_PROMPTS = 256  # a batch's prompts: each runs n (or best_of) samples
 
 
@@ -52,7 +53,7 @@ SampleCount = Annotated[int, Field(ge=1, le=16), BeforeValidator(_json_integer)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX), BeforeValidator(_json_integer)]  # workers: int64
 TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_json_integer)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), BeforeValidator(_json_integer)]
-MAX_LIST_FIELD = 1024  # logit_bias entries, allowed_token_ids
+MAX_LIST_FIELD = limits.MAX_LIST_FIELD  # logit_bias entries, allowed_token_ids
 
 
 class StreamOptions(BaseModel):
@@ -74,7 +75,8 @@ class _SamplingFields(StructuredFields):
     model: StrictStr
     user: StrictStr | None = None  # OpenAI's end-user id: accepted, used and logged nowhere
     max_tokens: TokenCount | None = None
-    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)  # strict: ints, not strings or bools
+    # strict: ints, not strings or bools
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=limits.MAX_TEMPERATURE)
     top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
     n: SampleCount = 1  # before seed: its check needs n
     seed: Seed | None = None
@@ -85,8 +87,9 @@ class _SamplingFields(StructuredFields):
     # OpenAI's penalties, and vLLM's extra sampling parameters under vLLM's names.
     presence_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=2.0)
-    top_k: Annotated[int, Field(ge=-1, le=100_000), BeforeValidator(_json_integer)] = -1  # -1 or 0: off
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=limits.MAX_REPETITION_PENALTY)
+    # -1 or 0: off
+    top_k: Annotated[int, Field(ge=-1, le=limits.MAX_TOP_K), BeforeValidator(_json_integer)] = -1
     min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
     min_tokens: Annotated[int, Field(ge=0, le=1_000_000), BeforeValidator(_json_integer)] = 0
     ignore_eos: StrictBool = False
@@ -97,12 +100,13 @@ class _SamplingFields(StructuredFields):
     # vLLM's: sampling only among these ids; bad_words banned (each word, with and without a
     # leading space, as vLLM tokenizes them); the workers' scheduling priority (lower first).
     allowed_token_ids: Annotated[list[TokenId], Field(max_length=MAX_LIST_FIELD)] | None = None
-    bad_words: Annotated[list[Annotated[StrictStr, Field(min_length=1, max_length=200)]],
+    bad_words: Annotated[list[Annotated[StrictStr,
+                                        Field(min_length=1, max_length=limits.MAX_BAD_WORD_TOKENS)]],
                          Field(max_length=MAX_STOP_STRINGS)] | None = None
     priority: Annotated[int, Field(ge=-INT32_MAX, le=INT32_MAX), BeforeValidator(_json_integer)] = 0
     # vLLM's: KV (prefix cache, KV store) is shared only among requests of the same salt; the
     # router combines it with the caller's tenant salt (--tenant-cache-salt).
-    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=1024)] | None = None
+    cache_salt: Annotated[StrictStr, Field(min_length=1, max_length=limits.MAX_CACHE_SALT)] | None = None
     # vLLM's: each prompt token's logprob and the top-N there (not with stream for N > 0, as vLLM)
     prompt_logprobs: TopLogprobs | None = None
     # vLLM's detokenization options, applied where the router turns token ids into text.

@@ -3,8 +3,13 @@ autoscaler's actuators and operators use it).
 
     GET  /admin/workers            every worker, by pool, with its health and load
     POST /admin/workers            {"role", "target"}: register (idempotent); the target must be
-                                   host:port (a hostname or IP, [v6] bracketed) that accepts a TCP
-                                   connection within 2 s, else 400 naming `target`
+                                   host:port (a hostname or IP, [v6] bracketed) whose every address
+                                   lies in the router's worker networks (--worker-networks: private
+                                   ones by default; loopback, link-local such as a cloud's metadata
+                                   service at 169.254.169.254, and public addresses only when listed)
+                                   and that accepts a TCP connection within 2 s, else 400 naming
+                                   `target`. (A name is checked as it resolves now: list addresses,
+                                   not names, where DNS is not trusted.)
     POST /admin/workers/drain      {"role", "target"}: no new requests
     POST /admin/workers/remove     {"role", "target", "force"}: forget a drained worker
 """
@@ -15,6 +20,7 @@ import asyncio
 import contextlib
 import ipaddress
 import re
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -53,12 +59,45 @@ def parse_target(target: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def check_reachable(target: str) -> None:
-    """Raises OpenAIError 400 naming `target` unless the target is well formed and accepts a TCP
-    connection within CONNECT_TIMEOUT_S (resolution and connect on the event loop, not blocking it)."""
+Networks = tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+
+
+def parse_networks(specs: tuple[str, ...]) -> Networks:
+    """CIDR strings ("10.0.0.0/8", "::1/128") -> networks; ValueError naming a bad one."""
+    out = []
+    for spec in specs:
+        try:
+            out.append(ipaddress.ip_network(spec.strip(), strict=False))
+        except ValueError as e:
+            raise ValueError(f"worker_networks: {spec!r} is not a network (CIDR): {e}") from None
+    return tuple(out)
+
+
+async def check_target(target: str, networks: Networks) -> None:
+    """Raises OpenAIError 400 naming `target` unless it is well formed, every address it resolves
+    to lies in `networks`, and it accepts a TCP connection within CONNECT_TIMEOUT_S (resolution
+    and connect on the event loop, not blocking it; the connection goes to a checked address)."""
     host, port = parse_target(target)
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_S)
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(
+            host, port, type=socket.SOCK_STREAM), CONNECT_TIMEOUT_S)
+    except (OSError, TimeoutError):
+        raise OpenAIError(400, f"target: {host} does not resolve", "target") from None
+    addresses = sorted({str(info[4][0]) for info in infos})
+    outside = [a for a in addresses if not any(ipaddress.ip_address(a.split("%")[0]) in n
+                                               for n in networks)]
+    if outside or not addresses:
+        listed = ", ".join(str(n) for n in networks) or "none"
+        raise OpenAIError(400, f"target: {', '.join(outside) or host} is not in the router's worker "
+                               f"networks ({listed}; the router's --worker-networks)", "target")
+    await check_reachable(target, addresses[0], port)
+
+
+async def check_reachable(target: str, address: str, port: int) -> None:
+    """Raises OpenAIError 400 naming `target` unless `address:port` accepts a TCP connection
+    within CONNECT_TIMEOUT_S."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(address, port), CONNECT_TIMEOUT_S)
     except (OSError, TimeoutError):  # one message whatever the cause: no network probing
         raise OpenAIError(400, f"target: {target} did not accept a TCP connection within "
                                f"{CONNECT_TIMEOUT_S:g} s", "target") from None
@@ -67,8 +106,9 @@ async def check_reachable(target: str) -> None:
         await writer.wait_closed()
 
 
-def admin_router(dispatcher: Callable[[], Dispatcher]) -> APIRouter:
-    """The admin routes over the dispatcher `dispatcher()` returns (it lives in the app's loop)."""
+def admin_router(dispatcher: Callable[[], Dispatcher], networks: Networks) -> APIRouter:
+    """The admin routes over the dispatcher `dispatcher()` returns (it lives in the app's loop);
+    workers may join from `networks` only."""
     router = APIRouter(prefix="/admin")
 
     def pool_of(role: str) -> WorkerPool:
@@ -95,7 +135,7 @@ def admin_router(dispatcher: Callable[[], Dispatcher]) -> APIRouter:
         """Registers a worker (idempotent); it gets requests once its first load report is in."""
         pool = pool_of(body.role)
         if pool.find(body.target) is None:
-            await check_reachable(body.target)
+            await check_target(body.target, networks)
         w = pool.add(body.target)
         return {"target": w.target, "role": body.role, "healthy": w.healthy}
 

@@ -69,7 +69,8 @@ async def test_pools_follow_the_load_and_shrink_by_draining(
         workers: dict[str, WorkerServer], model_dir: Path, store: KVStoreService, tmp_path: Path) -> None:
     dispatch = DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,),
                                prefill_policy="least_loaded", decode_policy="least_loaded")
-    router_config = RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, dispatch=dispatch)
+    router_config = RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, dispatch=dispatch,
+                                 worker_networks=("127.0.0.0/8",))  # the local actuator's workers
     base = PlannerConfig(ttft_ms=HUGE, itl_ms=HUGE, min_prefill=1, max_prefill=2, min_decode=1, max_decode=2,
                          prefill_tokens_per_s=1e9, up_intervals=2, down_intervals=3, up_cooldown_s=1,
                          down_cooldown_s=2)

@@ -95,7 +95,8 @@ async def test_deployments_follow_the_load_and_shrink_by_draining_the_pod_remove
     api = KubeApi(api_client(str(write_kubeconfig(tmp_path / "kubeconfig", fake.url))), NS)
     actuator = KubernetesActuator(api, DEPLOYMENTS, PORTS, startup_timeout_s=120, refresh_s=0.5, poll_s=0.2)
     await actuator.open()
-    router_config = RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, dispatch=dispatch)
+    router_config = RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, dispatch=dispatch,
+                                 worker_networks=("127.0.0.0/8",))  # the fake's pods: 127.0.23.N
     with ServedRouter(router_config) as served:
         observer = RouterObserver(served.url)
         planner = Planner(over)

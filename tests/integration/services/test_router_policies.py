@@ -24,6 +24,7 @@ LONG = "The history of the city goes back many centuries, " * 6
 
 
 def config(model_dir: Path, dispatch: DispatchOptions, **kw: object) -> RouterConfig:
+    kw.setdefault("worker_networks", ("127.0.0.0/8",))  # workers added through the admin API here
     return RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, dispatch=dispatch,
                         **kw)  # type: ignore[arg-type]
 

@@ -3,7 +3,7 @@ nothing (as a store restarting on it looks for a while: calls to it run into the
 not stall them: the streams need nothing from the store once their KV is loaded, so every gap
 between their tokens stays under 2 s (the workers' store timeout is its default, 10 s) while 4
 transfers prefilled before the kill arrive at the decode worker and find the store silent (their
-loads would run inside the decode step: they give up within kv_load_wait_s and recompute), and
+loads would run inside the decode step: they give up within kv_load_wait_s, 0.5 s, and recompute), and
 every text is the greedy one. Real processes: `pdserve kvstore`, a prefill and a decode `pdserve
 worker`, `pdserve router`."""
 
@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from engine.sampling_params import SamplingParams
-from services.worker.client import WorkerClient
+from services.worker.client import PrefillResult, WorkerClient
 from tests.integration.services.procs_util import Proc, router_proc, store_proc, worker_proc
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -92,34 +92,58 @@ async def late_decode(decode: WorkerClient, i: int, first: int, kv: dict[str, ob
     return [first, *rest]
 
 
-@in_module_loop
-async def test_a_killed_store_leaves_the_streams_gaps_under_2_s(
-        stack: dict[str, Proc], expected: tuple[list[str], list[list[int]]]) -> None:
-    url = f"http://{stack['router'].target}"
-    gaps: list[float] = []
-    async with httpx.AsyncClient(timeout=120) as http, \
-            WorkerClient(stack["prefill"].target) as prefill, WorkerClient(stack["decode"].target) as decode:
-        firsts = [await prefill.prefill(f"late-{i}", p, greedy(1), transfer_id=f"late-{i}")
-                  for i, p in enumerate(LATE)]  # their KV is in the store before the kill
+async def run_streams(url: str, decode: WorkerClient, gaps: list[float], strike: object,
+                      firsts: list[PrefillResult]) -> tuple[list[str], list[list[int]], int]:
+    """The 8 streams; once each has 8 tokens, `strike()` (returning what to close after), then
+    the 4 prefilled transfers on the decode worker. Returns the texts, the late tokens and how
+    many gaps came before the strike."""
+    async with httpx.AsyncClient(timeout=120) as http:
         started = [asyncio.Event() for _ in PROMPTS]
         tasks = [asyncio.create_task(stream(http, url, p, s, gaps)) for p, s in zip(PROMPTS, started,
                                                                                      strict=True)]
         await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), timeout=120)
-        old = stack["store"]
-        old.signal(signal.SIGKILL)  # every stream is past its KV load
-        old.proc.wait()
-        killed_at, before = time.monotonic(), len(gaps)
-        silent = socket.create_server(("127.0.0.1", int(old.target.rsplit(":", 1)[1])), backlog=64)
+        before = len(gaps)
+        after_strike = strike()  # type: ignore[operator]
         try:
             late = await asyncio.wait_for(asyncio.gather(*(
                 late_decode(decode, i, f.first_token_id, f.kv_transfer_params or {})
                 for i, f in enumerate(firsts))), timeout=120)
             texts = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
         finally:
-            silent.close()
-    after = gaps[before:]
-    print(f"store killed {time.monotonic() - killed_at:.1f} s ago; gaps of the 8 streams after it: "
-          f"{len(after)}, max {max(after):.3f} s")
+            after_strike.close()
+    return texts, late, before
+
+
+@in_module_loop
+async def test_a_killed_store_leaves_the_streams_gaps_under_2_s(
+        stack: dict[str, Proc], expected: tuple[list[str], list[list[int]]]) -> None:
+    """The same load twice: without a fault (the machine's own gaps), then with the store killed.
+    On a quiet machine every gap stays far under 2 s; on one whose cores are busy elsewhere the
+    streams' own gaps approach 2 s (seen: 1.9 s with two CPU-burning processes beside), so the bound
+    is 2 s or 1.5 x those, whichever is larger: a store wait (10 s before this fix) exceeds both."""
+    url = f"http://{stack['router'].target}"
+    async with WorkerClient(stack["prefill"].target) as prefill, \
+            WorkerClient(stack["decode"].target) as decode:
+        firsts = [await prefill.prefill(f"base-{i}", p, greedy(1), transfer_id=f"base-{i}")
+                  for i, p in enumerate(LATE)]
+        base: list[float] = []
+        texts, late, _ = await run_streams(url, decode, base, lambda: socket.socket(), firsts)
+        assert texts == expected[0] and late == expected[1]
+        firsts = [await prefill.prefill(f"late-{i}", p, greedy(1), transfer_id=f"late-{i}")
+                  for i, p in enumerate(LATE)]  # their KV is in the store before the kill
+
+        def kill() -> socket.socket:
+            old = stack["store"]
+            old.signal(signal.SIGKILL)  # every stream is past its KV load
+            old.proc.wait()
+            # A store restarting on its port looks like this for a while: calls time out.
+            return socket.create_server(("127.0.0.1", int(old.target.rsplit(":", 1)[1])), backlog=64)
+
+        gaps: list[float] = []
+        texts, late, before = await run_streams(url, decode, gaps, kill, firsts)
+    after, bound = gaps[before:], max(GAP_BOUND_S, 1.5 * max(base))
+    print(f"gaps of the 8 streams: without a fault max {max(base):.3f} s; after the store's kill "
+          f"({len(after)}) max {max(after):.3f} s; bound {bound:.2f} s")
     assert texts == expected[0]
     assert late == expected[1]
-    assert after and max(after) < GAP_BOUND_S, sorted(after)[-5:]
+    assert after and max(after) < bound, sorted(after)[-5:]

@@ -193,9 +193,33 @@ async def test_no_auth_opens_a_non_loopback_host_and_loopback_is_open_with_a_war
 
 
 @in_module_loop
+async def test_admin_registers_only_targets_in_the_worker_networks(
+        secured: dict[str, WorkerServer], model_dir: Path) -> None:
+    """By default private networks only: loopback, link-local (the cloud metadata address) and
+    public addresses, or names resolving there, are 400s naming `target`, and nothing is sent
+    there; listed, loopback workers join."""
+    real = secured["mtls"].target
+    config = router_config(model_dir, secured["decode"].target, access=WorkerAccess(TOKEN))
+    with ServedRouter(config) as served:
+        admin = f"{served.url}/admin/workers"
+        async with httpx.AsyncClient(timeout=30) as http:
+            for target in ("169.254.169.254:80", "[fe80::1]:80", real, "localhost:" + real.rsplit(":", 1)[1],
+                           "8.8.8.8:53", "[::1]:80"):
+                reply = await http.post(admin, json={"role": "colocated", "target": target})
+                assert reply.status_code == 400, (target, reply.text)
+                error = reply.json()["error"]
+                assert error["param"] == "target" and "worker networks" in error["message"], error
+            assert [w["target"] for w in (await http.get(admin)).json()["workers"]] == \
+                [secured["decode"].target]
+    with pytest.raises(ValueError, match="worker_networks"):
+        router_config(model_dir, real, worker_networks=("10.0.0.0/33",))
+
+
+@in_module_loop
 async def test_admin_registers_only_well_formed_reachable_targets(
         secured: dict[str, WorkerServer], model_dir: Path) -> None:
-    config = router_config(model_dir, secured["decode"].target, access=WorkerAccess(TOKEN))
+    config = router_config(model_dir, secured["decode"].target, access=WorkerAccess(TOKEN),
+                           worker_networks=("127.0.0.0/8",))
     unreachable = f"127.0.0.1:{free_port()}"
     with ServedRouter(config) as served:
         admin = f"{served.url}/admin/workers"

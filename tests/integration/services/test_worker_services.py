@@ -201,12 +201,32 @@ async def test_invalid_arguments_are_rejected_with_the_reason(workers: dict[str,
             (stream(decode, "bad-7", [10**6], greedy(2)), "out of range"),
             (stream(decode, "", [5], greedy(2)), "request_id"),
             (prefill.prefill("bad-8", [], greedy(2)), "token_ids"),
+            # What the router refuses, the worker's edge refuses too (services/limits.py)
+            (decode.stub.Decode(raw_decode("lim-1", [5], max_tokens=2**31 - 1)).read(), "max_tokens"),
+            (decode.stub.Decode(raw_decode("lim-2", [5], temperature=float("inf"))).read(), "temperature"),
+            (decode.stub.Decode(raw_decode("lim-2b", [5], temperature=2.5)).read(), "temperature"),
+            (decode.stub.Decode(pb.DecodeRequest(request_id="lim-3", token_ids=[5], cache_salt="s" * 2**20,
+                                                 params=raw_decode("x", [5]).params)).read(), "cache_salt"),
+            (decode.stub.Decode(raw_decode("lim-4", [5], stop_token_ids=[2**31 - 1])).read(),
+             "stop_token_ids"),
+            (decode.stub.Decode(raw_decode("lim-5", [5], bad_words=[pb.TokenIds(token_ids=[7])] * 10_000))
+             .read(), "bad_words"),
+            (decode.stub.Decode(raw_decode("lim-6", [5], logit_bias={i: 1.0 for i in range(2000)})).read(),
+             "logit_bias"),
         ]
         for call, field in cases:
             with pytest.raises((grpc.aio.AioRpcError, WorkerError)) as err:
                 await call
             code, details = status(err.value)
             assert code == "INVALID_ARGUMENT" and field in details, (code, details)
+        # A message that does not parse: INVALID_ARGUMENT (gRPC's own answer was UNKNOWN)
+        garbage = decode.channel.unary_stream("/pdserve.worker.v1.Worker/Decode",
+                                              request_serializer=lambda b: b,
+                                              response_deserializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as raw:
+            await garbage(b"\xff\xff\xff\xff", metadata=decode._metadata).read()
+        assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raw.value
+        assert "does not parse" in (raw.value.details() or "")
         assert (await stream(decode, "good", [5, 6], greedy(2)))[-1].finish_reason == "length"
         assert (await decode.load()).serving  # the hostile calls left it serving
         with pytest.raises(WorkerError) as werr:
