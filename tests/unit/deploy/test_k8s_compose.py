@@ -183,10 +183,13 @@ def test_ports_and_health_checks_are_composes(compose: dict[str, Any], cpu: Objs
     assert re.search(r"127\.0\.0\.1:8000(/\w+)", " ".join(services["router"]["healthcheck"]["test"]))[1] \
         == router["readinessProbe"]["httpGet"]["path"] == "/health"  # type: ignore[index]
     assert services["router"]["ports"] == ["127.0.0.1:${PDSERVE_PORT:-8000}:8000"]
-    assert router["ports"] == [{"name": "http", "containerPort": 8000}]
-    routes = set(re.findall(r'@app\.get\("([^"]+)"[,)]', (ROOT / "services/router/app.py").read_text()))
+    liveness = int(flags(router["args"])[1]["--liveness-port"])  # type: ignore[arg-type]
+    assert router["ports"] == [{"name": "http", "containerPort": 8000},
+                               {"name": "liveness", "containerPort": liveness}]
+    routes = set(re.findall(r'@router\.get\("([^"]+)"[,)]',
+                            (ROOT / "services/router/http/health.py").read_text()))
     assert {"/health", "/livez", "/metrics"} <= routes
-    assert router["livenessProbe"]["httpGet"]["path"] == "/livez"
+    assert router["livenessProbe"]["httpGet"] == {"path": "/livez", "port": liveness}  # off the loop
     store = container(deployments["pdserve-kvstore"], "kvstore")
     assert store["readinessProbe"]["exec"]["command"] == services["kvstore"]["healthcheck"]["test"][1:]
 
