@@ -6,6 +6,7 @@ its own behind ZMQ (engine/core_proc.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.connector.keys import key_scheme
+from engine.connector.keys import ForeignKeys, key_scheme
 from engine.connector.transfer_params import check_transfer_params
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import (
@@ -223,8 +224,9 @@ class EngineCore:
         params = request.sampling_params.kv_transfer_params
         check_transfer_params(params, n, self.config.kv_chunk_size)
         if params and params.get("do_remote_prefill"):
-            key_scheme(self.config).check_keys(params.get("keys", []), request.prompt_token_ids[
-                :params.get("num_tokens", 0)], request.cache_salt)
+            with contextlib.suppress(ForeignKeys):  # another engine's: none loads here (recomputed)
+                key_scheme(self.config).check_keys(params.get("keys", []), request.prompt_token_ids[
+                    :params.get("num_tokens", 0)], request.cache_salt)
 
 
 def _num_blocks(config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device,

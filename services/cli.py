@@ -271,7 +271,12 @@ def _add_router(subparsers: Any) -> None:
     p.add_argument("--max-heavy-per-caller", type=int, default=2,
                    help="bodies over 256 KiB under way per caller (API key, else address); more "
                         "get 429 (every body over 4 KiB is prepared off the event loop)")
-    p.add_argument("--max-heavy", type=int, default=8, help="large bodies under way in all; more get 429")
+    p.add_argument("--max-heavy", type=int, default=8,
+                   help="bodies over 256 KiB under way in all; more get 429")
+    p.add_argument("--max-pooled-per-caller", type=int, default=32,
+                   help="bodies over 4 KiB (prepared off the event loop) under way per caller; more get 429")
+    p.add_argument("--max-pooled", type=int, default=128,
+                   help="bodies over 4 KiB under way in all; more get 429")
     p.add_argument("--structured-outputs-backend", choices=["auto", "xgrammar", "guidance"], default="auto",
                    help="the grammar backend of structured outputs (response_format, structured_outputs, "
                         "guided_*) unless a request names one in guided_decoding_backend; auto: xgrammar, "
@@ -334,6 +339,7 @@ def _run_router(args: argparse.Namespace) -> int:
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               structured_outputs_backend=args.structured_outputs_backend,
                               max_heavy_per_caller=args.max_heavy_per_caller, max_heavy=args.max_heavy,
+                              max_pooled_per_caller=args.max_pooled_per_caller, max_pooled=args.max_pooled,
                               worker_networks=_networks(args.worker_networks))
     except ValueError as e:  # a flag the config refuses: the message names it
         print(f"pdserve router: {e}", file=sys.stderr)

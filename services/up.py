@@ -166,7 +166,7 @@ def _up_networks(host: str) -> str:
         address = ipaddress.ip_address(host)
     except ValueError:
         return ",".join(nets)
-    if not address.is_loopback and not address.is_unspecified:
+    if not address.is_loopback:  # (0.0.0.0 too: the autoscaler registers its workers by it)
         nets.append(str(ipaddress.ip_network(address)))
     return ",".join(nets)
 

@@ -40,6 +40,10 @@ def store_model_name(model: str) -> str:
     return Path(model).name if Path(model).exists() else model
 
 
+class ForeignKeys(ValueError):
+    """A transfer's keys are another engine's scheme: nothing to load here, compute the prompt."""
+
+
 def key_scheme(config: EngineConfig) -> KeyScheme:
     """What an engine with `config` stores a prompt's KV under (producers and consumers alike)."""
     return KeyScheme(store_model_name(config.model), config.dtype, config.kv_chunk_size)
@@ -72,7 +76,17 @@ class KeyScheme:
 
     def check_keys(self, keys: Sequence[str], token_ids: Sequence[int], salt: str | None) -> None:
         """ValueError unless `keys` are the first chunk keys of `token_ids` under `salt` (a remote
-        prefill's keys: those of its prompt, whose length the caller cut `token_ids` to)."""
+        prefill's keys: those of its prompt, whose length the caller cut `token_ids` to);
+        ForeignKeys when they are another engine's (another model name or dtype: a deployment
+        whose producer and consumer disagree, whose KV this engine cannot use anyway)."""
+        from kvstore.lmcache_format import CacheEngineKey
+
+        if keys:
+            first = CacheEngineKey.from_string(str(keys[0]))
+            mine = CacheEngineKey(self.model_name, 1, 0, 0, self.dtype)
+            if (first.model_name, first.dtype) != (mine.model_name, mine.dtype):
+                raise ForeignKeys(f"kv_transfer_params.keys are for model {first.model_name!r} in "
+                                  f"{first.dtype}, this engine stores {mine.model_name!r} in {mine.dtype}")
         own = self.chunk_keys(token_ids, salt)
         if list(keys) != own[:len(keys)]:
             bad = next(i for i, (k, o) in enumerate(zip(keys, own, strict=False)) if k != o) \

@@ -10,10 +10,12 @@ so they survive until the consumer acknowledges (releases) them or the lease exp
 load what `do_remote_prefill` names, under the keys of their own tokens (the worker's edge refuses
 a call whose keys disagree), or the longest prefix found in the store.
 
-The store is never waited on inside a step for longer than `lookup_wait_s`: lookups run in a
-background thread (a request whose lookup has not answered waits in the queue, "ask again
-later", while everything else runs; one that fails or times out computes locally), and leases and
-releases are sent from it without waiting (a lost one only shortens or lengthens a lease).
+The store is never waited on inside a step for longer than `lookup_wait_s`, once per request:
+lookups run in a background thread (a request whose lookup has not answered waits in the queue,
+"ask again later", while everything else runs; one that fails or times out computes locally), and
+leases and releases are sent from it without waiting. A lost one only shortens or lengthens a
+lease; a release that reaches the store before its producer's lease (the two come from
+different processes) leaves the objects leased until the lease expires (kv_lease_s).
 """
 
 from __future__ import annotations
@@ -133,10 +135,9 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         if tracked.lookup is None:
             last_layer = [f"{k}@{self.options.num_layers - 1}" for k in tracked.keys]
             tracked.lookup = self._calls.submit(self.client.lookup, last_layer)
+            wait([tracked.lookup], timeout=self.options.lookup_wait_s)  # the first ask only
         if not tracked.lookup.done():
-            wait([tracked.lookup], timeout=self.options.lookup_wait_s)
-            if not tracked.lookup.done():
-                return None
+            return None
         try:
             return int(tracked.lookup.result())
         except Exception as exc:  # an unreachable store means "compute"

@@ -128,7 +128,9 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         # The longest a step's forward waits for its layer-wise loads in all (None: no bound);
         # past it they count as failed (their requests recompute) and the forward goes on.
         self.load_wait_s = load_wait_s
-        self._layer_deadline = 0.0
+        self._layer_progress = 0.0  # when this step's last layer arrived (or its loads started)
+        self._layers_done = 0
+        self._apply_lock = threading.Lock()
         self._store_failed_at = -1e9  # the last send or load the store failed (monotonic)
         # kvstore.integrity.load_key() (the factory passes it); None: plain BLAKE3 checksums
         self.integrity_key = integrity_key
@@ -186,9 +188,18 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._enqueue(items)
 
     def _enqueue(self, items: list[_Item]) -> None:
+        """Queues a layer's objects for the sender; with the queue full (a store that does not
+        keep up, or frozen) they are dropped, never waited for: a consumer that misses them
+        recomputes."""
         with self._sent:
             self._unsent += 1
-        self._queue.put(items)
+        try:
+            self._queue.put_nowait(items)
+        except queue.Full:
+            with self._sent:
+                self._unsent -= 1
+            self.send_errors += 1
+            self._record_save(items, 0.0, failed=True)
 
     def _send_loop(self) -> None:
         while True:
@@ -222,7 +233,9 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         with self._sent:
             busy = self._unsent > 0
             done = self._sent.wait_for(lambda: self._unsent == 0, timeout=0 if down else self.save_wait_s)
-        if not done:  # a slow or frozen store: the step goes on, the sends too
+        if not done and not down:  # a slow or frozen store: the step goes on, the sends too, and
+            # the next steps do not wait for it while its sends are still stuck
+            self._store_failed_at = time.monotonic()
             logger.warning("KV saves still under way after %.1f s; the step goes on", self.save_wait_s)
         if busy:
             self.timings.save_waits.append(time.perf_counter() - start)
@@ -243,10 +256,16 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         the step computed for their requests and recomputes them) and no later layer waits."""
         if not self._layer_events:
             return
-        timeout = None if self.load_wait_s is None else max(0.0, self._layer_deadline - time.monotonic())
-        if not self._layer_events[layer].wait(timeout):
-            self._abandon_layerwise(f"the KV store did not deliver layer {layer} within "
-                                    f"{self.load_wait_s:g} s")
+        event = self._layer_events[layer]
+        while self.load_wait_s is not None and not event.is_set():
+            # the bound runs from the last layer that arrived: a slow store that delivers goes on
+            if event.wait(max(0.0, self._layer_progress + self.load_wait_s - time.monotonic())):
+                break
+            if time.monotonic() - self._layer_progress >= self.load_wait_s:
+                self._abandon_layerwise(f"the KV store delivered no layer for {self.load_wait_s:g} s",
+                                        store_failed=self._layers_done == 0)
+                break
+        event.wait()  # set: delivered, failed, or abandoned
 
     def _load(self, spec: LoadSpec) -> tuple[int, str | None]:
         """Loads every layer (one store call for all objects where the store shares memory
@@ -327,14 +346,18 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         """Whether the store failed a call (or a step's wait) within breaker_s."""
         return time.monotonic() - self._store_failed_at < self.breaker_s
 
-    def _abandon_layerwise(self, why: str) -> None:
-        """This step's layer-wise loads failed (what still arrives is ignored)."""
+    def _abandon_layerwise(self, why: str, store_failed: bool = True) -> None:
+        """This step's layer-wise loads failed; once this returns, nothing the loader still gets
+        is written (the scheduler frees those requests' blocks). `store_failed`: the store
+        delivered nothing, and is not waited on for breaker_s."""
         logger.warning("%s: %d layer-wise load(s) fail, their requests recompute", why, len(self._layerwise))
-        self._store_failed_at = time.monotonic()
-        for spec, state in self._layerwise:
-            state.abandoned = True
-            state.valid = spec.start
-            state.error = state.error or why
+        if store_failed:
+            self._store_failed_at = time.monotonic()
+        with self._apply_lock:  # no write in progress or to come
+            for spec, state in self._layerwise:
+                state.abandoned = True
+                state.valid = spec.start
+                state.error = state.error or why
         for event in self._layer_events:
             event.set()
 
@@ -344,7 +367,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._layer_events = events
         self._layerwise = [(spec, states[spec.req_id]) for spec in specs]
         start = time.perf_counter()
-        self._layer_deadline = time.monotonic() + (self.load_wait_s or 0.0)
+        self._layer_progress, self._layers_done = time.monotonic(), 0
         if self.load_wait_s is not None and self._store_down():
             self._abandon_layerwise(f"the KV store failed within {self.breaker_s:g} s")  # no wait again
             return
@@ -362,11 +385,13 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                 for i, obj in stream:
                     layer, spec, c = plan[i]
                     state = states[spec.req_id]
-                    if state.abandoned:  # the forward has gone on without it
-                        break
-                    if state.valid > spec.start:
-                        self._apply(spec, layer, c, obj, state)
+                    with self._apply_lock:  # an abandoned load writes nothing (its blocks may be reused)
+                        if state.abandoned:
+                            break
+                        if state.valid > spec.start:
+                            self._apply(spec, layer, c, obj, state)
                     if (i + 1) % per_layer == 0:
+                        self._layer_progress, self._layers_done = time.monotonic(), layer + 1
                         events[layer].set()
                         done = layer + 1
             except Exception as exc:  # store unreachable: nothing of it counts

@@ -34,7 +34,7 @@ from services.router.http.admin import admin_router, parse_networks
 from services.router.http.edge import BodyLimit
 from services.router.http.errors_http import add_error_handlers
 from services.router.http.health import health_router
-from services.router.http.heavy import HeavyLimit
+from services.router.http.heavy import PoolLimits
 from services.router.http.hot_path import HotPath
 from services.router.http.liveness import LivenessServer, LoopWatch
 from services.router.http.openai_routes import openai_routes
@@ -52,7 +52,7 @@ class RouterState:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self._gen: Generator | None = None
-        self.heavy = HeavyLimit(config.max_heavy_per_caller, config.max_heavy)
+        self.limits = PoolLimits(config)
         self.watch = LoopWatch()
 
     @property
@@ -114,9 +114,9 @@ def create_app(config: RouterConfig) -> FastAPI:
     add_error_handlers(app)
     app.include_router(health_router(lambda: state.gen, instance_id(), _version()))
     app.include_router(admin_router(lambda: state.gen.dispatcher, parse_networks(config.worker_networks)))
-    app.include_router(tokens_router(config, lambda: state.gen, lambda: state.heavy))
+    app.include_router(tokens_router(config, lambda: state.gen, lambda: state.limits))
     app.include_router(endpoints_router())
-    routes, hot = openai_routes(lambda: state.gen, lambda: state.heavy)
+    routes, hot = openai_routes(lambda: state.gen, lambda: state.limits)
     app.include_router(routes)
     # Added before the API key check, so that check (outside it) still sees every request; the
     # body limit outermost, so no handler ever reads more than max_body_bytes.

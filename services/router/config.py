@@ -42,12 +42,15 @@ class RouterConfig:
     body_timeout_s: float = 30.0
     # A request whose body is over inline_bytes is prepared (parsed, its shape checked first, its
     # template rendered and its prompt tokenized) in a pool of tokenizer_threads threads, not on
-    # the event loop (services/router/prepare.py). Of bodies over heavy_bytes each caller (API
-    # key, else address) has at most max_heavy_per_caller under way, all callers max_heavy (more:
-    # 429), so a few callers cannot keep the pool busy for everyone.
+    # the event loop (services/router/prepare.py): each caller (API key, else address) has at
+    # most max_pooled_per_caller of them under way, all callers max_pooled; of bodies over
+    # heavy_bytes max_heavy_per_caller and max_heavy (more: 429), so a few callers cannot keep the
+    # pool busy for everyone.
     tokenizer_threads: int = 2
     inline_bytes: int = 4096
     heavy_bytes: int = 256 * 1024
+    max_pooled_per_caller: int = 32
+    max_pooled: int = 128
     max_heavy_per_caller: int = 2
     max_heavy: int = 8
     disable_docs: bool = False  # no /docs, /redoc, /openapi.json (404); with api_key they need it
@@ -76,9 +79,10 @@ class RouterConfig:
             raise ValueError("api_keys: every key must be non-empty, without spaces around it or ','")
         if self.tokenizer_threads < 1 or not 0 <= self.inline_bytes <= self.heavy_bytes:
             raise ValueError("tokenizer_threads must be >= 1 and 0 <= inline_bytes <= heavy_bytes")
-        if not 1 <= self.max_heavy_per_caller <= self.max_heavy:
-            raise ValueError(f"max_heavy_per_caller: must be in [1, max_heavy={self.max_heavy}], got "
-                             f"{self.max_heavy_per_caller}")
+        for per, total, name in ((self.max_heavy_per_caller, self.max_heavy, "heavy"),
+                                 (self.max_pooled_per_caller, self.max_pooled, "pooled")):
+            if not 1 <= per <= total:
+                raise ValueError(f"max_{name}_per_caller: must be in [1, max_{name}={total}], got {per}")
         if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance"):
             raise ValueError(f"structured_outputs_backend: must be auto, xgrammar or guidance, got "
                              f"{self.structured_outputs_backend!r}")

@@ -130,6 +130,11 @@ class Generator:
         return ShapeLimits.for_model(self.max_model_len)
 
     @property
+    def thread_tokenizer(self) -> Any:
+        """The tokenizer of the thread this runs on (pool threads have their own)."""
+        return self._here.tokenizer
+
+    @property
     def _here(self) -> Processor:
         """The processor of the thread this runs on (a pool thread's own, else the loop's), with
         today's max_model_len."""

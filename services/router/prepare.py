@@ -63,6 +63,9 @@ def parse(model: type[_Body], raw: bytes, limits: ShapeLimits | None) -> _Body:
         body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise OpenAIError(400, f"malformed JSON body: {e}"[:300]) from e
+    field = _invalid_text_field(body)
+    if field is not None:  # only json.loads takes these: text no tokenizer, salt or header can hold
+        raise OpenAIError(400, f"{field}: not valid Unicode text (the escape of a lone surrogate)", field)
     try:
         return model.model_validate(body)
     except pydantic.ValidationError as e:
@@ -76,6 +79,25 @@ def check_model(gen: Generator, model: str) -> None:
         raise OpenAIError(400, f"model: not valid Unicode text (a lone surrogate): {model!r}", "model")
     if model != gen.config.model:
         raise OpenAIError(404, f"the model {model!r} does not exist", "model", "model_not_found")
+
+
+def _invalid_text_field(body: object) -> str | None:
+    """The top-level field of a decoded JSON body holding a string (or key) with a lone
+    surrogate, None when there is none."""
+    if not isinstance(body, dict):
+        return None
+    for name, value in body.items():
+        stack = [name, value]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, str) and not _is_text(item):
+                return str(name) if _is_text(str(name)) else "body"
+            if isinstance(item, dict):
+                stack.extend(item.keys())
+                stack.extend(item.values())
+            elif isinstance(item, list):
+                stack.extend(item)
+    return None
 
 
 def _is_text(value: str) -> bool:
@@ -103,7 +125,7 @@ def prepare_completion(gen: Generator, raw: bytes, large: bool) -> Prepared:
     echo = _echo_texts(gen, body, prompts) if body.echo else ()
     reply = Reply(gen, body.model, f"cmpl-{uuid.uuid4().hex}", lens, body.n, False,
                   body.include_usage, body.continuous_usage, echo_prompts=echo,
-                  echo_offsets=tuple(echo_chars(gen.tokenizer, p) for p in prompts) if echo else (),
+                  echo_offsets=tuple(echo_chars(gen.thread_tokenizer, p) for p in prompts) if echo else (),
                   prompts=tuple(prompts), logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
     return Prepared(reply, prompts, _options(body, params, body.best_of), body.stream)
 

@@ -70,14 +70,18 @@ class _Malformed:
         self.error = error
 
 
+SERVICE_PREFIX = "/pdserve.worker.v1.Worker/"  # (the health service's Watch writes, not yields)
+
+
 class MalformedRequests(grpc.aio.ServerInterceptor):
-    """Turns a request message that does not parse into INVALID_ARGUMENT naming the method,
-    instead of gRPC's UNKNOWN; streaming and unary responses alike."""
+    """Turns a request message of the worker service that does not parse into INVALID_ARGUMENT
+    naming the method, instead of gRPC's UNKNOWN; streaming and unary responses alike."""
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
                                 handler_call_details: grpc.HandlerCallDetails) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_deserializer is None or handler.request_streaming:
+        if (handler is None or handler.request_deserializer is None or handler.request_streaming
+                or not handler_call_details.method.startswith(SERVICE_PREFIX)):
             return handler
         parse = handler.request_deserializer
 

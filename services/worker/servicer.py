@@ -13,13 +13,14 @@ stalled worker.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import NoReturn, TypeVar
 
 import grpc
 
 from engine.async_llm import AsyncLLM
-from engine.connector.keys import KeyScheme
+from engine.connector.keys import ForeignKeys, KeyScheme
 from engine.connector.transfer_params import check_transfer_params
 from engine.core.outputs import EngineStats
 from engine.core_client import EngineDeadError
@@ -44,6 +45,7 @@ from services.worker.heartbeats import with_heartbeats
 from services.worker.options import WorkerRole
 
 _PROTO_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 LOAD_WAIT_S = 0.2  # how long Load waits for a fresh snapshot before answering with the last one
 FIRST_LOAD_WAIT_S = 5.0
@@ -129,7 +131,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv = (kv_params_from_proto(request.kv_transfer, len(ids), self.chunk_size)
                   if self.role == "decode" and request.HasField("kv_transfer") else None)
             if kv is not None and self.keys is not None:  # KV of these tokens only
-                self.keys.check_keys(kv["keys"], ids[:kv["num_tokens"]], request.cache_salt or None)
+                try:
+                    self.keys.check_keys(kv["keys"], ids[:kv["num_tokens"]], request.cache_salt or None)
+                except ForeignKeys as e:  # a producer configured otherwise: compute the prompt here
+                    logger.warning("decode %s: %s; computing the prompt here", request.request_id, e)
+                    kv = None
             return ids, params_from_proto(request.params, RequestOutputKind.DELTA, kv)
 
         ids, params = await _parse(context, parse)

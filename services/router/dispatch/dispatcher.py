@@ -156,11 +156,13 @@ class Dispatcher:
         return [p for p in (self.prefill, self.decode) if p is not None]
 
     def max_model_len(self) -> int | None:
-        """The smallest max_model_len any worker has reported (None before any has): a request
-        that fits it fits whichever worker takes it."""
-        reported = [w.load.max_model_len for pool in self.pools for w in pool.workers
+        """The smallest max_model_len the healthy workers have reported (of all that reported
+        when none is healthy; None before any has): a request that fits it fits whichever worker
+        takes it."""
+        reported = [(w.healthy, w.load.max_model_len) for pool in self.pools for w in pool.workers
                     if w.load is not None and w.load.max_model_len > 0]
-        return min(reported) if reported else None
+        healthy = [n for ok, n in reported if ok]
+        return min(healthy or [n for _, n in reported]) if reported else None
 
     def start(self) -> None:
         for pool in self.pools:

@@ -84,13 +84,20 @@ async def check_target(target: str, networks: Networks) -> None:
     except (OSError, TimeoutError):
         raise OpenAIError(400, f"target: {host} does not resolve", "target") from None
     addresses = sorted({str(info[4][0]) for info in infos})
-    outside = [a for a in addresses if not any(ipaddress.ip_address(a.split("%")[0]) in n
-                                               for n in networks)]
+    outside = [a for a in addresses if not _inside(a, networks)]
     if outside or not addresses:
         listed = ", ".join(str(n) for n in networks) or "none"
         raise OpenAIError(400, f"target: {', '.join(outside) or host} is not in the router's worker "
                                f"networks ({listed}; the router's --worker-networks)", "target")
     await check_reachable(target, addresses[0], port)
+
+
+def _inside(address: str, networks: Networks) -> bool:
+    """Whether `address` lies in one of `networks` (an IPv4-mapped IPv6 address as its IPv4)."""
+    ip = ipaddress.ip_address(address.split("%")[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return any(ip in n for n in networks)
 
 
 async def check_reachable(target: str, address: str, port: int) -> None:

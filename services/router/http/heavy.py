@@ -1,17 +1,22 @@
-"""Requests whose preparation is heavy (a large body: parsed, rendered and tokenized in the
-tokenizer pool, services/router/prepare.py) are limited per caller and in all, so one client
-cannot queue the pool full: over either limit, a 429 with Retry-After at once.
+"""Requests prepared off the event loop (a body over inline_bytes: parsed, rendered and
+tokenized in the tokenizer pool, services/router/prepare.py) are limited per caller and in all,
+so one client cannot queue the pool full: over a limit, a 429 with Retry-After at once. Bodies
+over heavy_bytes have a second, tighter limit.
 
-    limit = HeavyLimit(per_caller=2, total=8)
-    with limit.slot(caller(scope), retry_after_s=1): ...   # OpenAIError 429 when full
+    limits = PoolLimits(config)
+    with limits.slot(caller(scope), len(raw)): ...   # OpenAIError 429 when full
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING
 
 from services.router.errors import OpenAIError
+
+if TYPE_CHECKING:
+    from services.router.config import RouterConfig
 
 
 class HeavyLimit:
@@ -48,3 +53,21 @@ class HeavyLimit:
                 self._running[who] = left
             else:
                 del self._running[who]
+
+
+class PoolLimits:
+    """The two tiers: every body prepared in the pool, and the heavy ones among them."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pooled = HeavyLimit(config.max_pooled_per_caller, config.max_pooled)
+        self.heavy = HeavyLimit(config.max_heavy_per_caller, config.max_heavy)
+
+    @contextmanager
+    def slot(self, who: str, size: int) -> Iterator[None]:
+        retry = self.config.retry_after_s
+        with ExitStack() as held:
+            held.enter_context(self.pooled.slot(who, retry))
+            if size > self.config.heavy_bytes:
+                held.enter_context(self.heavy.slot(who, retry))
+            yield

@@ -3,8 +3,9 @@
 
 A body of at most `inline_bytes` is prepared on the event loop (~1 ms); a larger one in the
 tokenizer pool, its shape checked before it is parsed (prepare.py), so no request holds the loop
-while its JSON is parsed, its template rendered or its prompt tokenized; of bodies over
-`heavy_bytes` a caller gets at most `max_heavy_per_caller` under way at once (http/heavy.py).
+while its JSON is parsed, its template rendered or its prompt tokenized; a caller gets at most
+`max_pooled_per_caller` such preparations under way at once, `max_heavy_per_caller` of bodies
+over `heavy_bytes` (http/heavy.py).
 The FastAPI routes of the two hot paths exist for the API schema: HotPath answers every POST
 there itself.
 """
@@ -27,7 +28,7 @@ from services.router.api.openai_models import (
 )
 from services.router.errors import OpenAIError
 from services.router.generation import Generator
-from services.router.http.heavy import HeavyLimit
+from services.router.http.heavy import PoolLimits
 from services.router.http.hot_path import Handler
 from services.router.http.render import respond
 from services.router.http.tenants import caller
@@ -46,7 +47,7 @@ async def execute(prepared: Prepared) -> JSONResponse | StreamingResponse:
     return await respond(reply, deltas, prepared.stream, admission)
 
 
-def openai_routes(gen: Callable[[], Generator], heavy: Callable[[], HeavyLimit]
+def openai_routes(gen: Callable[[], Generator], limits: Callable[[], PoolLimits]
                   ) -> tuple[APIRouter, dict[str, Handler]]:
     """The routes, and HotPath's handlers of the two generation endpoints."""
     router = APIRouter()
@@ -56,10 +57,8 @@ def openai_routes(gen: Callable[[], Generator], heavy: Callable[[], HeavyLimit]
         try:
             if len(raw) <= g.config.inline_bytes:
                 prepared = prepare(g, raw, False)
-            elif len(raw) <= g.config.heavy_bytes:
-                prepared = await g.in_pool(prepare, g, raw, True)
             else:
-                with heavy().slot(caller(scope) if scope is not None else "", g.config.retry_after_s):
+                with limits().slot(caller(scope) if scope is not None else "", len(raw)):
                     prepared = await g.in_pool(prepare, g, raw, True)
             return await execute(prepared)
         except OpenAIError as e:

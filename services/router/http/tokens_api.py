@@ -29,7 +29,7 @@ from services.router.api.tools import as_template_tools
 from services.router.config import RouterConfig
 from services.router.errors import OpenAIError, field_path
 from services.router.generation import Generator
-from services.router.http.heavy import HeavyLimit
+from services.router.http.heavy import PoolLimits
 from services.router.http.tenants import caller
 from services.router.prepare import check_model as served_model
 
@@ -98,7 +98,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {400: OPENAI_RESPONSES[400], 401: OPE
 
 
 def tokens_router(config: RouterConfig, gen: Callable[[], Generator],
-                  heavy: Callable[[], HeavyLimit]) -> APIRouter:
+                  limits: Callable[[], PoolLimits]) -> APIRouter:
     router = APIRouter()
 
     async def read(request: Request, *models: type[BaseModel]) -> Any:
@@ -113,9 +113,7 @@ def tokens_router(config: RouterConfig, gen: Callable[[], Generator],
         g = gen()
         if len(raw) <= g.config.inline_bytes:
             return load(raw, False)
-        if len(raw) <= g.config.heavy_bytes:
-            return await g.in_pool(load, raw, True)
-        with heavy().slot(caller(request.scope), g.config.retry_after_s):
+        with limits().slot(caller(request.scope), len(raw)):
             return await g.in_pool(load, raw, True)
 
     def check_model(model: str | None) -> None:

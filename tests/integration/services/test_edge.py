@@ -109,14 +109,17 @@ async def test_text_the_tokenizer_refuses_is_a_400_never_a_500(router: ServedRou
                 r = await http.post(path, content=body, headers={"content-type": "application/json"})
                 assert r.status_code == 400, (path, r.text)
                 assert r.json()["error"]["param"] in ("messages", "prompt"), r.text
-        for path, body in (  # in the model field: a 400 naming it, its text escaped (was a bare 500)
+        for path, body in (  # in the model field: a 400 naming it (was a bare 500)
                 ("/v1/chat/completions",
                  '{"model": "ti\\ud800ny", "messages": [{"role": "user", "content": "hi"}]}'),
                 ("/v1/completions", '{"model": "ti\\ud800ny", "prompt": "hi"}'),
                 ("/tokenize", '{"model": "ti\\ud800ny", "prompt": "hi"}')):
             r = await http.post(path, content=body, headers={"content-type": "application/json"})
             assert r.status_code == 400, (path, r.text)
-            assert r.json()["error"]["param"] == "model" and "\\ud800" in r.json()["error"]["message"]
+            assert r.json()["error"]["param"] == "model" and "lone surrogate" in r.json()["error"]["message"]
+        salted = '{"model": "tiny", "prompt": "hi", "cache_salt": "a\\ud800"}'  # any field: was a 500 too
+        r = await http.post("/v1/completions", content=salted, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
 def raw(port: int, data: bytes, wait_s: float) -> tuple[bytes, float]:

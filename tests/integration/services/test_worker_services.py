@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2
 
 from engine.sampling_params import SamplingParams
 from kvstore.client import KVStoreClient
@@ -227,6 +228,9 @@ async def test_invalid_arguments_are_rejected_with_the_reason(workers: dict[str,
             await garbage(b"\xff\xff\xff\xff", metadata=decode._metadata).read()
         assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raw.value
         assert "does not parse" in (raw.value.details() or "")
+        watch = decode.health_stub.Watch(health_pb2.HealthCheckRequest(service=""))  # streams, as it did
+        assert (await watch.read()).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
         assert (await stream(decode, "good", [5, 6], greedy(2)))[-1].finish_reason == "length"
         assert (await decode.load()).serving  # the hostile calls left it serving
         with pytest.raises(WorkerError) as werr:
