@@ -17,7 +17,8 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int
         return KVStoreClient(config.kv_store_url, timeout_s=timeout_s, breaker_s=config.kv_store_timeout_s)
 
     options = StoreConnectorOptions(config.kv_role, num_layers, config.kv_lease_s, config.kv_store_url,
-                                    config.kv_load_mode, config.kv_layerwise_max_tokens)
+                                    config.kv_load_mode, config.kv_layerwise_max_tokens,
+                                    lease_wait_s=config.kv_store_control_timeout_s)
     # its calls run beside the engine's loop, which waits on none of them long: short ones
     sched = KVStoreConnectorScheduler(client(config.kv_store_control_timeout_s), key_scheme(config), options)
     worker = KVStoreConnectorWorker(client, config.kv_chunk_size, config.kv_stream_layers,

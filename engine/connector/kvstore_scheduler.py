@@ -13,9 +13,10 @@ a call whose keys disagree), or the longest prefix found in the store.
 The store is never waited on inside a step for longer than `lookup_wait_s`, once per request:
 lookups run in a background thread (a request whose lookup has not answered waits in the queue,
 "ask again later", while everything else runs; one that fails or times out computes locally), and
-leases and releases are sent from it without waiting. A lost one only shortens or lengthens a
-lease; a release that reaches the store before its producer's lease (the two come from
-different processes) leaves the objects leased until the lease expires (kv_lease_s).
+releases are sent from it without waiting (a lost one: the lease expires on its own). A lease is
+sent from it too and waited for at most `lease_wait_s` (~1 ms from a live store; the control
+client's breaker makes a dead store's fail at once after its first timeout), so it normally lands
+before the consumer can release it.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class StoreConnectorOptions:
     load_mode: str = "async"  # "async", "layerwise" or "auto" (EngineConfig.kv_load_mode)
     layerwise_max_tokens: int = 0  # "auto": layer-wise up to this many tokens
     lookup_wait_s: float = 0.05  # the longest a step waits for a lookup before asking again later
+    lease_wait_s: float = 1.0  # the longest a step waits for a lease (the control calls' timeout)
 
 
 @dataclass
@@ -186,14 +188,14 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         self._background("releasing transfer", tracked.transfer.get("transfer_id"),
                          lambda: self.client.release(keys))
 
-    def _background(self, what: str, name: object, call: Callable[[], object]) -> None:
+    def _background(self, what: str, name: object, call: Callable[[], object]) -> Future[None]:
         def run() -> None:
             try:
                 call()
             except Exception as exc:
                 logger.warning("%s %s failed: %s", what, name, exc)
 
-        self._calls.submit(run)
+        return self._calls.submit(run)
 
     # --- saves ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
@@ -248,8 +250,11 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
             return False, None
         keys = tracked.keys or self.scheme.chunk_keys(tracked.prompt_ids, tracked.salt)
         layer_keys, lease_s = self.layer_keys(keys), self.options.lease_s
-        self._background("leasing the KV of", request.request_id,
-                         lambda: self.client.lease(layer_keys, lease_s))
+        leasing = self._background("leasing the KV of", request.request_id,
+                                   lambda: self.client.lease(layer_keys, lease_s))
+        # Leased before the consumer hears of it (its release must come after): ~1 ms; a store
+        # that does not answer holds this step for lease_wait_s once, then fails at once.
+        wait([leasing], timeout=self.options.lease_wait_s)
         # Saves of every step finish before the step returns, so the blocks can go now.
         return False, {"do_remote_prefill": True, "keys": keys,
                        "num_tokens": request.num_prompt_tokens,
