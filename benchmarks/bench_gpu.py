@@ -215,7 +215,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth(args.repeats)
-    rows = [bench_decode(args.repeats, copy_bw), bench_prefill(args.repeats)]
+    rows: list[list[object]] = []
+
+    def add(row: list[object]) -> None:  # each row also goes to stderr as it lands: a run cut
+        rows.append(row)                 # short by a lease's limit still reports what it had
+        print("row:", " | ".join(str(c) for c in row), file=sys.stderr, flush=True)
+
+    add(bench_decode(args.repeats, copy_bw))
+    add(bench_prefill(args.repeats))
     if not args.skip_engine:
         import transformers
 
@@ -238,8 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 peer = f"floor {floor:.0f} tok/s"
                 if b in hf_tps:
                     peer += f"; HF {hf_tps[b]:.0f} tok/s ({tps / hf_tps[b]:.2f}x)"
-                rows.append([f"engine decode b{b} Llama-1B bf16", f"{tps:.0f} tok/s", peer,
-                             f"{tps / floor:.2f}", "0.60" if b == 64 else "-"])
+                add([f"engine decode b{b} Llama-1B bf16", f"{tps:.0f} tok/s", peer,
+                     f"{tps / floor:.2f}", "0.60" if b == 64 else "-"])
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, median of "
           f"{args.repeats} runs; copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)")
     print(markdown_table(["measure", "ours", "peer (same run)", "ratio", "target"], rows))

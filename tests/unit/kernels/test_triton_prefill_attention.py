@@ -9,7 +9,6 @@ dtype before P @ V, as in flash attention).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -210,38 +209,18 @@ def test_block_ids_past_int32_element_offsets_are_read_correctly() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
-def test_fresh_prefill_is_at_least_0_8x_as_fast_as_dense_sdpa() -> None:
-    """16 x 1024-token prompts, Llama-3.2-1B attention shape (32 heads, 8 kv heads, d 64), bf16."""
+def test_fresh_prefill_equals_dense_sdpa_at_a_real_model_shape() -> None:
+    """16 x 1024-token prompts, Llama-3.2-1B attention shape (32 heads, 8 kv heads, d 64), bf16:
+    the paged kernel gives what SDPA gives on dense copies of the same data. Its speed against
+    SDPA is a benchmark row (benchmarks/bench_gpu.py, target 0.8x), not a timed unit test."""
     reqs, length, heads, kv_heads, d, bs = 16, 1024, 32, 8, 64, 16
     case = make_case([0] * reqs, [length] * reqs, heads, kv_heads, d, bs, torch.bfloat16, "cuda")
-    # Dense copies of the same data for SDPA, kv heads repeated so it takes its flash path:
-    # [reqs, heads, L, d].
+    # Dense copies of the same data for SDPA, kv heads repeated: [reqs, heads, L, d].
     q = case["query"].view(reqs, length, heads, d).transpose(1, 2).contiguous()
     ids = case["block_table"][:, : length // bs].long()
     k, v = (case["kv_cache"][ids, i].reshape(reqs, length, kv_heads, d)
             .repeat_interleave(heads // kv_heads, 2).transpose(1, 2).contiguous() for i in (0, 1))
-
-    def sdpa() -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-    def ours() -> torch.Tensor:
-        return paged_prefill_attention(**case, max_query_len=length)
-
-    t_sdpa, t_ours = _time_cuda(sdpa), _time_cuda(ours)
-    print(f"\nprefill 16x1024 bf16: sdpa {t_sdpa * 1e3:.3f} ms, paged triton {t_ours * 1e3:.3f} ms, "
-          f"ratio {t_sdpa / t_ours:.2f}")
-    torch.testing.assert_close(ours().view(reqs, length, heads, d), sdpa().transpose(1, 2),
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    got = paged_prefill_attention(**case, max_query_len=length)
+    torch.testing.assert_close(got.view(reqs, length, heads, d), want.transpose(1, 2),
                                atol=2e-2, rtol=2e-2)
-    assert t_sdpa / t_ours >= 0.8
-
-
-def _time_cuda(fn: Callable[[], torch.Tensor], iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
