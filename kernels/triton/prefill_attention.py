@@ -133,8 +133,8 @@ def _default_tiles(wide: bool, head_dim: int) -> tuple[int, int, int]:
     float32 (IEEE dot on CUDA cores) is for exactness checks, not speed."""
     if wide:
         return (64, 32, 8) if head_dim <= 64 else (32, 16, 8)
-    if head_dim <= 64:
-        return 128, 64, 4
+    if head_dim <= 64:  # H200 sweep (benchmarks/tune_attention_gpu.py): 64x64 beat 128x64 by 15%
+        return 64, 64, 4
     return (128, 64, 8) if head_dim <= 128 else (64, 32, 8)
 
 
