@@ -64,7 +64,7 @@ def profile_batch(folder: Path, batch: int, args: argparse.Namespace,
     gpu_us = sum(e.self_device_time_total for e in kernels) / args.steps
     floor_ms = batch / floor_tps(batch, args, copy_bw) * 1e3
     rows: list[list[object]] = [
-        [f"b{batch}: wall per step", f"{wall * 1e3:.3f} ms", "host clock, 20 steps"],
+        [f"b{batch}: wall per step", f"{wall * 1e3:.3f} ms", f"host clock, {args.steps} steps, profiler on"],
         [f"b{batch}: GPU busy per step", f"{gpu_us / 1e3:.3f} ms", "sum of kernel times"],
         [f"b{batch}: weight-bandwidth floor", f"{floor_ms:.3f} ms", "bench_gpu.py floor_tps"],
     ]
