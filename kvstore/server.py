@@ -47,8 +47,9 @@ class KVStoreServer(flight.FlightServerBase):
                  default_ttl_s: float | None = None, shm_root: str | None = None,
                  tokens: dict[str, frozenset[str]] | None = None,
                  tls: TLSFiles | None = None) -> None:
-        super().__init__(location, middleware={MIDDLEWARE_KEY: TokenAuthFactory(tokens)}
-                         if tokens is not None else None, **_tls_options(tls))
+        # Every attribute a handler reads is set before the base class's __init__, which starts
+        # serving at once: a client that saw the port (a health check, say) could otherwise be
+        # answered by a half-built server ("no attribute 'shm'", seen once under make test).
         self.auth_enabled = tokens is not None
         self.instance_id = os.environ.get("PDSERVE_INSTANCE_ID") or uuid.uuid4().hex
         self.backend = backend
@@ -67,6 +68,12 @@ class KVStoreServer(flight.FlightServerBase):
         }
         # Same-host data path (kvstore/shm.py): a directory under `shm_root`, or none.
         self.shm = ShmArea(shm_root) if shm_root else None
+        try:
+            super().__init__(location, middleware={MIDDLEWARE_KEY: TokenAuthFactory(tokens)}
+                             if tokens is not None else None, **_tls_options(tls))
+        except BaseException:
+            self.close_shm()  # the port was taken (say): no directory left behind
+            raise
 
     def close_shm(self) -> None:
         """Removes the shared-memory directory (after `shutdown`)."""
