@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 import time
 from typing import Any
@@ -47,6 +48,10 @@ logger = logging.getLogger(__name__)
 
 def run_engine_core(config_bytes: bytes, input_address: str, output_address: str) -> None:
     """Process entry point: `config_bytes` is the msgpack-encoded `EngineConfig`."""
+    # The parent owns this process's life (shutdown message, then SIGTERM; a daemon child): a
+    # terminal's Ctrl-C, sent to the whole process group, is the parent's to handle, not a
+    # KeyboardInterrupt traceback in every engine core.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=os.environ.get("PDSERVE_LOG_LEVEL", "WARNING"),
                             format="%(asctime)s %(levelname)s [engine-core] %(message)s")
