@@ -11,11 +11,26 @@ One forward step is a varlen batch: request `i` brings `query_lens[i]` new token
 `seq_lens[i]` tokens of context, so its new tokens sit at positions
 `seq_lens[i] - query_lens[i] ... seq_lens[i] - 1` and attend causally to everything before them
 (cached context from earlier steps or from the prefix cache, plus the new tokens themselves).
+
+Per-layer options of `AttentionBackend.forward` (both `None` = off), with the semantics of
+Hugging Face transformers (`masking_utils.sliding_window_causal_mask_function`, Gemma 2's
+`eager_attention_forward`):
+- `sliding_window` (int >= 1): a query at absolute position `q` attends to the keys at positions
+  `k` with `q - sliding_window < k <= q`, i.e. the last `sliding_window` keys including its own
+  (Mistral, Qwen2/3, Phi-3, Gemma 2/3 local layers). A window at least as long as the context
+  changes nothing.
+- `logits_soft_cap` (float > 0): the scaled scores become `cap * tanh(q.k * scale / cap)`,
+  before the mask and the softmax (Gemma 2).
+A step never reads a cache block that lies wholly before the window of every one of its
+queries: for a request, the blocks holding positions below
+`seq_len - query_len - sliding_window + 1`. The KV cache manager may free such blocks and put
+the null block 0 in their block-table entries.
 """
 
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 
 import torch
@@ -58,8 +73,23 @@ class AttentionBackend(abc.ABC):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         """Store key/value at `metadata.slot_mapping`, then attend; returns
         `[num_tokens, num_heads, head_dim]`. All new K/V of the batch is written before any
         attention reads the cache (so a request may read blocks another request of the same
-        step writes, as prefix-cache hits within one step do)."""
+        step writes, as prefix-cache hits within one step do). `sliding_window` and
+        `logits_soft_cap`: see the module docstring (`None` = off)."""
+
+
+def check_attention_options(sliding_window: int | None,
+                            logits_soft_cap: float | None) -> tuple[int | None, float | None]:
+    """Validates the per-layer options and normalizes "off" to None (0 counts as off too, as
+    in kernel arguments). Raises ValueError for a negative window or a non-finite or negative cap."""
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, int) or sliding_window < 0):
+        raise ValueError(f"sliding_window must be an int >= 1 (or None), got {sliding_window!r}")
+    if logits_soft_cap is not None and not (0.0 <= float(logits_soft_cap) < math.inf):
+        raise ValueError(f"logits_soft_cap must be a finite float > 0 (or None), got {logits_soft_cap!r}")
+    return sliding_window or None, (float(logits_soft_cap) if logits_soft_cap else None)

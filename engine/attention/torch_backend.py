@@ -14,6 +14,17 @@ Every SDPA call gets 4-D `[1, heads, len, d]` inputs: on CPU, 3-D inputs take th
 path, measured 4x slower (L=512, 9 heads, d=64, 2 threads).
 GQA is handled without repeating K/V: the `group = num_heads // num_kv_heads` query heads that
 share a KV head are folded into the query-length dimension of SDPA.
+
+Sliding window and soft cap (see `engine.attention.backend`). A window at least as long as a
+request's context is dropped for that request, and requests without window and cap take exactly
+the paths above. Otherwise:
+- decode tokens: the C kernel takes both options; the matmul path gathers only the last
+  `window` tokens (no mask needed) and caps its scores;
+- multi-token requests gather the blocks from position `seq_len - q_len - window + 1` on (the
+  first query's window start), never the blocks before it, and attend in chunks of
+  `_QUERY_CHUNK` new tokens, each over the keys its window reaches, so that a long prompt under
+  a small window costs O(q_len * window), not O(q_len^2): SDPA under a windowed bottom-right
+  mask, or with a soft cap (which SDPA cannot apply) explicit matmuls, tanh and softmax.
 """
 
 from __future__ import annotations
@@ -21,8 +32,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.attention.backend import AttentionBackend, AttentionMetadata, check_attention_options
 from kernels.cpu import paged_decode as paged_decode_kernel
+
+_QUERY_CHUNK = 256  # new tokens per attention call on the windowed / capped multi-token path
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -38,10 +51,13 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
+        window, cap = check_attention_options(sliding_window, logits_soft_cap)
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        decode_done = self._decode_with_kernel(query, kv_cache, metadata, scale, out)
+        decode_done = self._decode_with_kernel(query, kv_cache, metadata, scale, out, window, cap)
         start = 0
         lens = zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
         for i, (q_len, s_len) in enumerate(lens):
@@ -49,14 +65,23 @@ class TorchAttentionBackend(AttentionBackend):
             start += q_len
             if q_len == 0 or (q_len == 1 and decode_done):
                 continue
+            win = window if window is not None and window < s_len else None
+            plain = win is None and cap is None
             if q_len == s_len:
-                out[rows] = _self_causal(query[rows], key[rows], value[rows], scale)
+                if plain:
+                    out[rows] = _self_causal(query[rows], key[rows], value[rows], scale)
+                else:
+                    out[rows] = _attend_chunked(query[rows], key[rows].transpose(0, 1),
+                                                value[rows].transpose(0, 1), scale, win, cap)
                 continue
-            k_ctx, v_ctx = _gather_request(kv_cache, metadata.block_table[i], s_len)
+            first = 0 if win is None else max(0, s_len - q_len - win + 1)  # first key in a window
+            k_ctx, v_ctx = _gather_request(kv_cache, metadata.block_table[i], s_len, first)
             if q_len == 1:
-                out[rows] = _decode_one(query[rows], k_ctx, v_ctx, scale)
-            else:
+                out[rows] = _decode_one(query[rows], k_ctx, v_ctx, scale, cap)
+            elif plain:
                 out[rows] = _attend_with_context(query[rows], k_ctx, v_ctx, scale)
+            else:
+                out[rows] = _attend_chunked(query[rows], k_ctx, v_ctx, scale, win, cap)
         return out
 
 
@@ -67,9 +92,12 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         out: torch.Tensor,  # [num_tokens, num_heads, head_dim], filled for decode rows
+        window: int | None,
+        cap: float | None,
     ) -> bool:
         """All single-token requests at once through the compiled CPU kernel, when it applies
-        (float32 on the CPU, kernel built); returns whether it handled them."""
+        (float32 on the CPU, kernel built); returns whether it handled them. The kernel takes
+        the sliding window and the soft cap itself."""
         if (query.device.type != "cpu" or query.dtype != torch.float32
                 or kv_cache.dtype != torch.float32 or not paged_decode_kernel.available()
                 or not paged_decode_kernel.supports(query.shape[1], query.shape[2], kv_cache.shape[2])):
@@ -80,14 +108,14 @@ class TorchAttentionBackend(AttentionBackend):
         if len(decode) == metadata.num_reqs:  # pure decode: rows are requests
             out.copy_(paged_decode_kernel.paged_decode(
                 query.contiguous(), kv_cache, metadata.block_table.contiguous(),
-                metadata.seq_lens, scale))
+                metadata.seq_lens, scale, window, cap))
             return True
         starts = metadata.query_start_loc[:-1].long()
         idx = torch.tensor(decode, dtype=torch.long)
         rows = starts[idx]
         out[rows] = paged_decode_kernel.paged_decode(
             query[rows].contiguous(), kv_cache, metadata.block_table[idx].contiguous(),
-            metadata.seq_lens[idx].contiguous(), scale)
+            metadata.seq_lens[idx].contiguous(), scale, window, cap)
         return True
 
 
@@ -139,12 +167,20 @@ def _gather_request(
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, kv_heads, d]
     block_row: torch.Tensor,  # [max_blocks] int32
     seq_len: int,
+    first: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The request's first `seq_len` cached K and V, each [kv_heads, seq_len, d]."""
+    """The request's cached K and V at positions `first .. seq_len - 1`, each
+    [kv_heads, seq_len - first, d]; blocks wholly before `first` are not read."""
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
-    ids = block_row[:num_blocks].long()
-    k, v = (_gather_blocks(kv_cache, ids, kv).flatten(0, 1)[:seq_len] for kv in (0, 1))
+    if first == 0:
+        ids = block_row[:num_blocks].long()
+        k, v = (_gather_blocks(kv_cache, ids, kv).flatten(0, 1)[:seq_len] for kv in (0, 1))
+    else:
+        skip = first % block_size
+        ids = block_row[first // block_size:num_blocks].long()
+        k, v = (_gather_blocks(kv_cache, ids, kv).flatten(0, 1)[skip:skip + seq_len - first]
+                for kv in (0, 1))
     return k.transpose(0, 1), v.transpose(0, 1)
 
 
@@ -158,15 +194,64 @@ def _attend_with_context(
     k: torch.Tensor,  # [kv_heads, seq_len, d]
     v: torch.Tensor,  # [kv_heads, seq_len, d]
     scale: float,
+    window: int | None = None,
+    cap: float | None = None,
 ) -> torch.Tensor:
+    """Bottom-right causal attention (positions relative to the first key), optionally under
+    a sliding window and a soft cap; returns [q_len, num_heads, d]."""
     q_len, seq_len = q.shape[0], k.shape[1]
     group = q.shape[1] // k.shape[0]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device).repeat_interleave(group)
     # [q_len * group, seq_len]: True where the key position is visible
-    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    k_pos = torch.arange(seq_len, device=q.device)[None, :]
+    mask = k_pos <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos > q_pos[:, None] - window
     folded = _fold_gqa(q, k.shape[0])  # [kv_heads, q_len * group, d]
+    if cap is not None:
+        return _unfold_gqa(_capped_attention(folded, k, v, mask, scale, cap), q_len)
     out = F.scaled_dot_product_attention(folded[None], k[None], v[None], attn_mask=mask, scale=scale)
     return _unfold_gqa(out[0], q_len)
+
+
+def _attend_chunked(
+    q: torch.Tensor,  # [q_len, num_heads, d], the last q_len positions of the keys
+    k: torch.Tensor,  # [kv_heads, n_keys, d]
+    v: torch.Tensor,  # [kv_heads, n_keys, d]
+    scale: float,
+    window: int | None,
+    cap: float | None,
+) -> torch.Tensor:
+    """`_attend_with_context` over chunks of `_QUERY_CHUNK` new tokens, each given only the
+    keys from its first token's window start (or 0 without a window) to its last token;
+    returns [q_len, num_heads, d]."""
+    q_len, n_keys = q.shape[0], k.shape[1]
+    if q_len <= _QUERY_CHUNK:
+        lo = 0 if window is None else max(0, n_keys - q_len - window + 1)
+        return _attend_with_context(q, k[:, lo:], v[:, lo:], scale, window, cap)
+    out = torch.empty_like(q)
+    for j0 in range(0, q_len, _QUERY_CHUNK):
+        j1 = min(j0 + _QUERY_CHUNK, q_len)
+        hi = n_keys - q_len + j1  # one past the chunk's last position
+        lo = 0 if window is None else max(0, hi - (j1 - j0) - window + 1)
+        out[j0:j1] = _attend_with_context(q[j0:j1], k[:, lo:hi], v[:, lo:hi], scale, window, cap)
+    return out
+
+
+def _capped_attention(
+    q: torch.Tensor,  # [kv_heads, rows, d] (GQA-folded)
+    k: torch.Tensor,  # [kv_heads, n_keys, d]
+    v: torch.Tensor,  # [kv_heads, n_keys, d]
+    mask: torch.Tensor,  # [rows, n_keys] bool, True = visible; every row sees a key
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """softmax(mask(cap * tanh(q k^T * scale / cap))) v in explicit matmuls (SDPA has no soft
+    cap); the softmax in float32 at least. Returns [kv_heads, rows, d]."""
+    scores = torch.matmul(q, k.transpose(1, 2)).mul_(scale / cap).tanh_().mul_(cap)
+    scores.masked_fill_(~mask, float("-inf"))
+    probs = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def _decode_one(
@@ -174,11 +259,15 @@ def _decode_one(
     k: torch.Tensor,  # [kv_heads, seq_len, d]
     v: torch.Tensor,  # [kv_heads, seq_len, d]
     scale: float,
+    cap: float | None = None,
 ) -> torch.Tensor:
-    """One decode token over its whole context: no mask; plain matmuls beat SDPA here."""
+    """One decode token over the context it sees (all of `k`, so a sliding window is applied
+    by gathering only its keys): no mask; plain matmuls beat SDPA here."""
     kvh, d = k.shape[0], k.shape[2]
     # [kv_heads, group, seq_len]
     scores = torch.matmul(q.view(kvh, -1, d), k.transpose(1, 2)).mul_(scale)
+    if cap is not None:
+        scores = scores.div_(cap).tanh_().mul_(cap)
     return torch.matmul(scores.softmax(-1), v).view(1, -1, d)
 
 
@@ -189,12 +278,18 @@ def reference_paged_attention(
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Naive token-by-token paged attention (any dtype, float64 included), for tests.
 
     Writes the new K/V slot by slot, then for each new token reads its request's context
-    position by position through the block table and computes softmax(q k^T * scale) v.
+    position by position through the block table and computes softmax(q k^T * scale) v over
+    the keys it sees (its own position and the `sliding_window - 1` before it, or all before
+    it without a window), scores soft-capped when `logits_soft_cap` is set. Only positions
+    some new token sees are read.
     """
+    window, cap = check_attention_options(sliding_window, logits_soft_cap)
     block_size = kv_cache.shape[2]
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_heads // num_kv_heads
@@ -206,14 +301,21 @@ def reference_paged_attention(
     start = 0
     lens = zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
     for i, (q_len, s_len) in enumerate(lens):
+        if q_len == 0:
+            continue
         blocks = metadata.block_table[i].tolist()
-        slots = [(blocks[p // block_size], p % block_size) for p in range(s_len)]
-        ks = torch.stack([kv_cache[b, 0, o] for b, o in slots])  # [s_len, kv_heads, d]
+        first = 0 if window is None else max(0, s_len - q_len - window + 1)
+        slots = [(blocks[p // block_size], p % block_size) for p in range(first, s_len)]
+        ks = torch.stack([kv_cache[b, 0, o] for b, o in slots])  # [s_len - first, kv_heads, d]
         vs = torch.stack([kv_cache[b, 1, o] for b, o in slots])
         for j in range(q_len):
             pos = s_len - q_len + j
+            lo = 0 if window is None else max(0, pos - window + 1)
+            keys = slice(lo - first, pos + 1 - first)
             for h in range(num_heads):
-                scores = ks[: pos + 1, h // group] @ query[start + j, h] * scale  # [pos + 1]
-                out[start + j, h] = torch.softmax(scores, dim=0) @ vs[: pos + 1, h // group]
+                scores = ks[keys, h // group] @ query[start + j, h] * scale  # [pos + 1 - lo]
+                if cap is not None:
+                    scores = torch.tanh(scores / cap) * cap
+                out[start + j, h] = torch.softmax(scores, dim=0) @ vs[keys, h // group]
         start += q_len
     return out

@@ -3,6 +3,10 @@ compiler and called through ctypes, next to its plain-PyTorch reference.
 
 Used by the PyTorch attention backend for decode tokens on the CPU (float32). Where no C
 compiler is present the backend keeps its pure-PyTorch path: `available()` says which.
+
+Options (both off by default; 0 or None = off): `sliding_window` attends to the last
+`sliding_window` tokens only (positions `seq_len - window .. seq_len - 1`; blocks before them are
+never read), `logits_soft_cap` turns scores into `cap * tanh(q.k * scale / cap)` (Gemma 2).
 """
 
 from __future__ import annotations
@@ -38,21 +42,28 @@ def paged_decode_reference(
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q K^T * scale) V over each request's first seq_len cached tokens (GQA-aware)."""
+    """softmax(q K^T * scale) V over each request's first seq_len cached tokens (GQA-aware), or
+    its last `sliding_window` of them; scores soft-capped when `logits_soft_cap` is set. Reads
+    only the blocks holding attended tokens."""
     num_reqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     for b in range(num_reqs):
         length = int(seq_lens[b])
-        n_blocks = -(-length // block_size)
-        ids = block_table[b, :n_blocks].long()
-        k = kv_cache[ids, 0].reshape(-1, num_kv_heads, head_dim)[:length]  # [len, kvh, d]
-        v = kv_cache[ids, 1].reshape(-1, num_kv_heads, head_dim)[:length]
+        first = max(0, length - sliding_window) if sliding_window else 0
+        ids = block_table[b, first // block_size: -(-length // block_size)].long()
+        skip = first % block_size
+        k = kv_cache[ids, 0].reshape(-1, num_kv_heads, head_dim)[skip: skip + length - first]
+        v = kv_cache[ids, 1].reshape(-1, num_kv_heads, head_dim)[skip: skip + length - first]
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, len, d]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (k @ query[b].unsqueeze(-1)).squeeze(-1) * scale  # [num_heads, len]
+        if logits_soft_cap:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         out[b] = (scores.softmax(-1).unsqueeze(1) @ v).squeeze(1)
     return out
 
@@ -73,9 +84,15 @@ def paged_decode(
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int32, cpu
     seq_lens: torch.Tensor,  # [num_reqs] int32, cpu
     scale: float,
+    sliding_window: int | None = None,  # None or 0 = no window
+    logits_soft_cap: float | None = None,  # None or 0 = no cap
 ) -> torch.Tensor:
     """The compiled kernel; same result as `paged_decode_reference`. Checks inputs first."""
     _check_inputs(query, kv_cache, block_table, seq_lens)
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 0):
+        raise ValueError(f"sliding_window must be an int >= 0 (0 = none), got {sliding_window!r}")
+    if logits_soft_cap is not None and not 0.0 <= logits_soft_cap < float("inf"):
+        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 = none), got {logits_soft_cap!r}")
     lib = _load()
     if lib is None:
         raise RuntimeError("the CPU paged-decode kernel could not be built (no C compiler?)")
@@ -84,7 +101,8 @@ def paged_decode(
     failed = lib.paged_decode_f32(
         _ptr(query), query.stride(0), _ptr(kv_cache), _ptr(block_table), _ptr(seq_lens),
         _ptr(out), out.stride(0), num_reqs, num_heads, kv_cache.shape[3], head_dim,
-        kv_cache.shape[2], block_table.shape[1], ctypes.c_float(scale), torch.get_num_threads())
+        kv_cache.shape[2], block_table.shape[1], ctypes.c_float(scale), int(sliding_window or 0),
+        ctypes.c_float(logits_soft_cap or 0.0), torch.get_num_threads())
     if failed:
         raise ValueError(f"paged_decode: sizes over the kernel's limits (heads <= {MAX_HEADS}, "
                          f"head_dim <= {MAX_HEAD_DIM}, block_size <= {MAX_BLOCK_SIZE})")
@@ -164,5 +182,6 @@ def _build_and_open() -> ctypes.CDLL:
     lib.paged_decode_f32.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int]
+        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
+        ctypes.c_float, ctypes.c_int]
     return lib

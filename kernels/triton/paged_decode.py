@@ -10,9 +10,19 @@ The plain-PyTorch reference comes first. The Triton version is flash-decoding:
      log-sum-exp weights into `out`.
 With a single partition, step 1 writes `out` directly and step 2 is skipped. The grid depends only
 on host ints (max_seq_len), never on tensor contents, so the launch is CUDA-graph capturable.
+
+Options, each a `tl.constexpr` switch (off: the kernels compile to the code without them):
+- sliding window (WINDOW): a request attends to its last `window` tokens only, positions
+  `max(0, seq_len - window) .. seq_len - 1`. The partitions tile that range instead of
+  `0 .. seq_len - 1` (so the grid has cdiv(min(max_seq_len, window), partition_size) splits) and
+  no block before it is read: the cache manager may have freed it (null block in the table).
+- logit soft cap (SOFTCAP): scores become `cap * tanh(q.k * scale / cap)` (Gemma 2); `tl` has no
+  tanh, so tanh(x) = 2 * sigmoid(2x) - 1.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -41,9 +51,13 @@ def paged_decode_attention_reference(
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q K^T * scale) V over each request's first seq_len cached tokens, in float32, cast
-    back to query's dtype; a request with seq_len 0 gets zeros."""
+    """softmax(q K^T * scale) V over each request's first seq_len cached tokens (or its last
+    `sliding_window` of them, reading only their blocks), scores soft-capped when
+    `logits_soft_cap` is set, in float32, cast back to query's dtype; a request with seq_len 0
+    gets zeros."""
     num_reqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -52,12 +66,16 @@ def paged_decode_attention_reference(
         length = int(seq_lens[b])
         if length == 0:
             continue
-        ids = block_table[b, : -(-length // block_size)].long()
-        k = kv_cache[ids, 0].reshape(-1, num_kv_heads, head_dim)[:length].float()  # [len, kvh, d]
-        v = kv_cache[ids, 1].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        first = max(0, length - sliding_window) if sliding_window else 0
+        ids = block_table[b, first // block_size: -(-length // block_size)].long()
+        keys = slice(first % block_size, first % block_size + length - first)
+        k = kv_cache[ids, 0].reshape(-1, num_kv_heads, head_dim)[keys].float()  # [len, kvh, d]
+        v = kv_cache[ids, 1].reshape(-1, num_kv_heads, head_dim)[keys].float()
         k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, len, d]
         v = v.repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (k @ query[b].float().unsqueeze(-1)).squeeze(-1) * scale  # [num_heads, len]
+        if logits_soft_cap:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         out[b] = (scores.softmax(-1).unsqueeze(1) @ v).squeeze(1).to(query.dtype)
     return out
 
@@ -66,22 +84,28 @@ def paged_decode_attention_reference(
 def _partition_kernel(
     q_ptr, cache_ptr, block_table_ptr, seq_lens_ptr,
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e); with SOFTCAP scale / cap
     q_stride_req, out_stride_req, block_table_stride,
     cache_block_stride, cache_kv_stride, cache_slot_stride,
     num_splits,
+    window,  # sliding window (tokens), read only with WINDOW
+    cap_scale,  # cap * log2(e), read only with SOFTCAP
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, PARTITION: tl.constexpr,
     SINGLE: tl.constexpr,  # one partition: normalize and write out directly
     UPCAST: tl.constexpr,  # dot in exact fp32 (see _dot_in_fp32)
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    start = split * PARTITION
+    if WINDOW:  # partitions tile the window, from its first token
+        start = tl.maximum(seq_len - window, 0) + split * PARTITION
+    else:
+        start = split * PARTITION
     end = tl.minimum(start + PARTITION, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
@@ -112,7 +136,10 @@ def _partition_kernel(
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))  # [GROUP_PAD, TILE] fp32
-        s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
+        if SOFTCAP:
+            s = tl.where(tok_ok[None, :], tanh(s * qk_scale) * cap_scale, float("-inf"))
+        else:
+            s = tl.where(tok_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -139,17 +166,27 @@ def _partition_kernel(
 
 
 @triton.jit
+def tanh(x):
+    """tanh(x) = 2 * sigmoid(2x) - 1 (`tl` has no tanh); absolute error ~1e-7 in fp32."""
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
 def _combine_kernel(
     out_ptr, seq_lens_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     out_stride_req, num_splits,
+    window,  # read only with WINDOW
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    PARTITION: tl.constexpr, CHUNK: tl.constexpr,
+    PARTITION: tl.constexpr, CHUNK: tl.constexpr, WINDOW: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     seq_len = tl.load(seq_lens_ptr + req)
-    used = tl.minimum(tl.cdiv(seq_len, PARTITION), num_splits)  # partitions holding tokens
+    if WINDOW:  # the partitions tile the last min(seq_len, window) tokens
+        used = tl.minimum(tl.cdiv(tl.minimum(seq_len, window), PARTITION), num_splits)
+    else:
+        used = tl.minimum(tl.cdiv(seq_len, PARTITION), num_splits)  # partitions holding tokens
     base = (req * num_heads + head).to(tl.int64) * num_splits
     c = tl.arange(0, CHUNK)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -184,6 +221,8 @@ def paged_decode_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [num_reqs, num_heads, head_dim], rows contiguous
     *,
+    sliding_window: int | None = None,  # None or 0: no window
+    logits_soft_cap: float | None = None,  # None or 0: no cap
     partition_size: int = DEFAULT_PARTITION_SIZE,
     tile_tokens: int = DEFAULT_TILE_TOKENS,
     num_warps: int = 4,
@@ -195,8 +234,10 @@ def paged_decode_attention(
     the grid, cdiv(max_seq_len, partition_size) partitions per (request, kv head). Tokens past it
     are not attended to. seq_lens are not read on the host (no sync), except on CPU tensors
     (interpreter), where seq_lens > max_seq_len raise ValueError. Tuning: partition_size and
-    tile_tokens (K/V rows per inner step, min(tile_tokens, partition_size)) are powers of two >= 16."""
+    tile_tokens (K/V rows per inner step, min(tile_tokens, partition_size)) are powers of two >= 16.
+    `sliding_window` / `logits_soft_cap`: see the module docstring."""
     _check_inputs(query, kv_cache, block_table, seq_lens, out)
+    window, cap = check_window_and_cap(sliding_window, logits_soft_cap)
     _check_sizes(block_table, seq_lens, kv_cache.shape[2], max_seq_len, partition_size, tile_tokens)
     num_reqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -206,7 +247,8 @@ def paged_decode_attention(
         return out
     group = num_heads // num_kv_heads
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))  # tl.dot needs >= 16
-    num_splits = max(1, triton.cdiv(max_seq_len, partition_size))
+    span = max_seq_len if window is None else min(max_seq_len, window)  # tokens one request attends
+    num_splits = max(1, triton.cdiv(span, partition_size))
     single = num_splits == 1
     if single:  # unused placeholders
         part_m = part_l = part_acc = torch.empty(1, device=query.device, dtype=torch.float32)
@@ -218,22 +260,23 @@ def paged_decode_attention(
     _partition_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, kv_cache, block_table, seq_lens,
         out, part_m, part_l, part_acc,
-        scale * _LOG2E,
+        scale * _LOG2E if cap is None else scale / cap,
         query.stride(0), out.stride(0), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
-        num_splits,
+        num_splits, window or 0, (cap or 0.0) * _LOG2E,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE=min(tile_tokens, partition_size), PARTITION=partition_size,
         SINGLE=single, UPCAST=_dot_in_fp32(query.dtype),
+        WINDOW=window is not None, SOFTCAP=cap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     if not single:
         _combine_kernel[(num_reqs, num_heads)](
             out, seq_lens, part_m, part_l, part_acc,
-            out.stride(0), num_splits,
+            out.stride(0), num_splits, window or 0,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-            PARTITION=partition_size, CHUNK=_COMBINE_CHUNK,
+            PARTITION=partition_size, CHUNK=_COMBINE_CHUNK, WINDOW=window is not None,
             num_warps=num_warps,
         )
     return out
@@ -285,6 +328,18 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
         check_dtype("out", out, query.dtype)
         check_shape("out", out, tuple(query.shape))
         check_rows_contiguous("out", out)
+
+
+def check_window_and_cap(sliding_window: int | None,
+                   logits_soft_cap: float | None) -> tuple[int | None, float | None]:
+    """The kernels' sliding_window / logits_soft_cap arguments as (window, cap), None where off
+    (None or 0); ValueError for a negative or non-int window or a negative or non-finite cap."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 0):
+        raise ValueError(f"sliding_window must be an int >= 0 (0 = none), got {sliding_window!r}")
+    if logits_soft_cap is not None and not 0.0 <= logits_soft_cap < math.inf:
+        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 = none), got {logits_soft_cap!r}")
+    return sliding_window or None, (float(logits_soft_cap) if logits_soft_cap else None)
 
 
 def _check_sizes(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, max_seq_len: int,

@@ -19,6 +19,16 @@ head `kv_head * GROUP + r % GROUP`. Why fold rather than one program per query h
   tile spans BLOCK_M / GROUP key positions, so fewer key tiles need masking.
 Key tiles wholly below the causal limit of the tile's first row run without masks; the remaining
 tiles up to the limit of its last row run masked; tiles past that are never visited.
+
+Options, each a `tl.constexpr` switch (off: the kernel compiles to the code without them):
+- sliding window (WINDOW): a query at position q sees keys q - window < k <= q. Key tiles wholly
+  before the window of the tile's first row are never visited (nor their blocks read: the cache
+  manager may have freed them, null block in the table); tiles from the first row's window start
+  up to where every row's window has begun run masked (keys before that start are not even
+  loaded), then unmasked tiles, then the causal tail as above. A row may see no key of a masked
+  tile yet: its running max stays -inf and the update subtracts 0 instead (no NaN).
+- logit soft cap (SOFTCAP): scores become `cap * tanh(q.k * scale / cap)` (Gemma 2), with
+  tanh(x) = 2 * sigmoid(2x) - 1 (`tl` has no tanh).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from kernels.triton._checks import (
     interpreter_enabled,
     require_cuda_or_interpreter,
 )
+from kernels.triton.paged_decode import check_window_and_cap, tanh
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -50,8 +61,12 @@ def paged_prefill_attention_reference(
     query_start_loc: torch.Tensor,  # [num_reqs + 1] int32
     seq_lens: torch.Tensor,  # [num_reqs] int32, context length including the new tokens
     scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q K^T * scale) V per request in float32, with the bottom-right causal mask.
+    """softmax(q K^T * scale) V per request in float32, with the bottom-right causal mask, and
+    the sliding window (q - window < k <= q) and soft cap (cap * tanh(scores / cap)) when set;
+    reads only the blocks from the first new token's window start on.
     Rows past `query_start_loc[-1]` are zero. Returns [num_tokens, num_heads, head_dim]."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -62,13 +77,20 @@ def paged_prefill_attention_reference(
         lo, hi = starts[i], starts[i + 1]
         if hi == lo:
             continue
-        ids = block_table[i, : -(-seq_len // block_size)].long()
-        k = kv_cache[ids, 0].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()  # [seq, kvh, d]
-        v = kv_cache[ids, 1].reshape(-1, num_kv_heads, head_dim)[:seq_len].float()
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [seq, h, d]
+        first = max(0, seq_len - (hi - lo) - sliding_window + 1) if sliding_window else 0
+        ids = block_table[i, first // block_size: -(-seq_len // block_size)].long()
+        keys = slice(first % block_size, first % block_size + seq_len - first)
+        k = kv_cache[ids, 0].reshape(-1, num_kv_heads, head_dim)[keys].float()  # [seq - first, kvh, d]
+        v = kv_cache[ids, 1].reshape(-1, num_kv_heads, head_dim)[keys].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [seq - first, h, d]
         scores = torch.einsum("qhd,khd->hqk", query[lo:hi].float(), k) * scale
+        if logits_soft_cap:
+            scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
-        allowed = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]  # [q, seq]
+        k_pos = torch.arange(first, seq_len, device=query.device)[None, :]
+        allowed = k_pos <= q_pos[:, None]  # [q, seq - first]
+        if sliding_window:
+            allowed &= k_pos > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out
@@ -84,6 +106,8 @@ def paged_prefill_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim], rows contiguous
     *,
+    sliding_window: int | None = None,  # None or 0: no window
+    logits_soft_cap: float | None = None,  # None or 0: no cap
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -95,8 +119,10 @@ def paged_prefill_attention(
     `max_query_len`, and rows past `query_start_loc[-1]`, are left unwritten. Every seq_len must
     be covered by its block-table row (not checked: that would need a host sync).
     Tuning: block_m query rows per program (tokens x GROUP heads, widened to hold GROUP),
-    block_n keys per tile; defaults from `_default_tiles`."""
+    block_n keys per tile; defaults from `_default_tiles`. `sliding_window` / `logits_soft_cap`:
+    see the module docstring."""
     _check_inputs(query, kv_cache, block_table, query_start_loc, seq_lens, scale, max_query_len, out)
+    window, cap = check_window_and_cap(sliding_window, logits_soft_cap)
     num_tokens, num_heads, head_dim = query.shape
     num_reqs = seq_lens.shape[0]
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -118,11 +144,13 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, tokens_per_tile), num_reqs, num_kv_heads)
     _prefill_kernel[grid](
         query, kv_cache, out, block_table, query_start_loc, seq_lens,
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E if cap is None else float(scale) / cap,
         query.stride(0), out.stride(0), block_table.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        window or 0, (cap or 0.0) * _LOG2E,
         HEAD_DIM=head_dim, GROUP=group, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         IEEE=wide, UPCAST=query.dtype == torch.bfloat16 and interpreter_enabled(),
+        WINDOW=window is not None, SOFTCAP=cap is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -141,11 +169,14 @@ def _default_tiles(wide: bool, head_dim: int) -> tuple[int, int, int]:
 @triton.jit
 def _prefill_kernel(
     q_ptr, kv_ptr, out_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e); with SOFTCAP scale / cap
     stride_q_tok, stride_out_tok, stride_bt_req,
     stride_kv_block, stride_kv_kind, stride_kv_tok,
+    window,  # sliding window (keys), read only with WINDOW
+    cap_scale,  # cap * log2(e), read only with SOFTCAP
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # new tokens per tile
     # The last tiles (most keys under the causal mask) start first: better tail balance.
@@ -177,18 +208,42 @@ def _prefill_kernel(
     # Every row sees keys < context + m_start + 1; the last row sees keys < key_end.
     unmasked_end = (context + m_start + 1) // BLOCK_N * BLOCK_N
     key_end = context + tl.minimum(m_start + TOKENS, q_len)
-    for start_n in range(0, unmasked_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, kv_base, bt_row, qk_scale,
-            stride_kv_block, stride_kv_kind, stride_kv_tok,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, UPCAST, False)
-    for start_n in range(unmasked_end, key_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, kv_base, bt_row, qk_scale,
-            stride_kv_block, stride_kv_kind, stride_kv_tok,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, UPCAST, True)
+    if WINDOW:
+        # The first row sees keys from `lo` on, the last row (at key_end - 1) from key_end - window
+        # on: keys from full_lo on are past every row's window start.
+        lo = tl.maximum(context + m_start - window + 1, 0)
+        full_lo = tl.cdiv(tl.maximum(key_end - window, 0), BLOCK_N) * BLOCK_N
+        for start_n in range(lo // BLOCK_N * BLOCK_N, tl.minimum(full_lo, key_end), BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start_n, seq_len, kv_base, bt_row, qk_scale,
+                stride_kv_block, stride_kv_kind, stride_kv_tok, lo, window, cap_scale,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, UPCAST, True, True, SOFTCAP)
+        for start_n in range(full_lo, unmasked_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start_n, seq_len, kv_base, bt_row, qk_scale,
+                stride_kv_block, stride_kv_kind, stride_kv_tok, lo, window, cap_scale,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, UPCAST, False, True, SOFTCAP)
+        for start_n in range(tl.maximum(full_lo, unmasked_end), key_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start_n, seq_len, kv_base, bt_row, qk_scale,
+                stride_kv_block, stride_kv_kind, stride_kv_tok, lo, window, cap_scale,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, UPCAST, True, True, SOFTCAP)
+    else:
+        for start_n in range(0, unmasked_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start_n, seq_len, kv_base, bt_row, qk_scale,
+                stride_kv_block, stride_kv_kind, stride_kv_tok, 0, 0, cap_scale,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, UPCAST, False, False, SOFTCAP)
+        for start_n in range(unmasked_end, key_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start_n, seq_len, kv_base, bt_row, qk_scale,
+                stride_kv_block, stride_kv_kind, stride_kv_tok, 0, 0, cap_scale,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, IEEE, UPCAST, True, False, SOFTCAP)
 
-    acc = acc / l_i[:, None]  # key 0 is visible to every row, so l_i > 0
+    if WINDOW:  # padding rows (past q_len) may see no key under a window: no 0 / 0 there
+        acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    else:
+        acc = acc / l_i[:, None]  # key 0 is visible to every row, so l_i > 0
     o_off = (q_start + tok).to(tl.int64) * stride_out_tok + head * HEAD_DIM
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
@@ -198,14 +253,19 @@ def _prefill_kernel(
 def _attend_tile(
     acc, l_i, m_i, q, q_pos, start_n, seq_len, kv_base, bt_row, qk_scale,
     stride_kv_block, stride_kv_kind, stride_kv_tok,
+    lo, window, cap_scale,  # lo: first key any row's window sees; used only with WINDOW and MASK
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, MASK: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """One BLOCK_N tile of keys, gathered through the block table, folded into the online softmax."""
     offs_n = start_n + tl.arange(0, BLOCK_N)  # key positions
     offs_d = tl.arange(0, HEAD_DIM)
     if MASK:
-        key_ok = offs_n < seq_len
+        if WINDOW:  # keys before `lo` (perhaps in freed blocks) are not loaded
+            key_ok = (offs_n < seq_len) & (offs_n >= lo)
+        else:
+            key_ok = offs_n < seq_len
         block = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=key_ok, other=0)
     else:
         block = tl.load(bt_row + offs_n // BLOCK_SIZE)
@@ -217,12 +277,25 @@ def _attend_tile(
     else:
         k = tl.load(kv_base + slot[None, :] + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
         v = tl.load(kv_base + stride_kv_kind + slot[:, None] + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
-    qk = _dot(q, k, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), IEEE, UPCAST) * qk_scale
+    if SOFTCAP:
+        qk = _dot(q, k, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), IEEE, UPCAST)
+        qk = tanh(qk * qk_scale) * cap_scale  # cap * tanh(scores / cap) * log2(e)
+    else:
+        qk = _dot(q, k, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), IEEE, UPCAST) * qk_scale
     if MASK:
-        qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
+        if WINDOW:
+            seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
+            qk = tl.where(seen, qk, float("-inf"))
+        else:
+            qk = tl.where(offs_n[None, :] <= q_pos[:, None], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if MASK and WINDOW:  # a row whose window starts past this tile has m_new -inf so far
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(qk - m_use[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     acc = _dot(p.to(v.dtype), v, acc, IEEE, UPCAST)
