@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 2
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup lock lock-upgrade lock-check system-deps peers peers-vllm run demo test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
+.PHONY: setup lock lock-upgrade lock-check system-deps peers peers-vllm run demo model test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
 
 # Installs come from the committed lock (locks/dev.txt: every package pinned with its hashes, made
 # by `make lock` from pyproject.toml and locks/*.in), so every machine gets what CI passed with.
@@ -68,6 +68,12 @@ run: setup
 demo: setup
 	$(BIN)/pdserve generate --chat --max-tokens 64 --temperature 0 \
 		--prompt "Explain in two sentences what a KV cache is in an LLM server."
+
+# A catalog model (or a local .gguf file) fetched and converted now instead of on first use
+# (docs/models.md): make model MODEL=gemma-3-270m
+MODEL ?= smollm2-135m-instruct
+model: setup
+	$(BIN)/python -m engine.model.sources.catalog fetch $(MODEL)
 
 test: setup peers
 	$(PYTEST)

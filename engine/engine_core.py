@@ -7,9 +7,12 @@ its own behind ZMQ (engine/core_proc.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,12 +56,18 @@ class EngineCore:
         free_before_load = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
         path = resolve_model_path(config.model)
         model, hf_config = load_model(path, dtype, backend, device)
+        chosen_len = config.max_model_len
         config = config.resolved(model_max_len(hf_config))
         num_blocks = _num_blocks(config, model, dtype, device, free_before_load)
-        _check_cache_holds_one_request(config, num_blocks)
+        if chosen_len is None and _freeing_window(model, config) is None:  # the model's limit, unless
+            # the cache cannot hold one request of it
+            config = _fit_model_len(config, num_blocks, model_max_len(hf_config))
+        _check_cache_holds_one_request(config, num_blocks, _freeing_window(model, config))
         self.config = config
         self.model_path = path
         self.vocab_size: int = model.vocab_size
+        # Gemma's <end_of_turn>, Llama 3's <|eot_id|>: end-of-sequence ids after the first
+        self.extra_eos_ids = _eos_token_ids(hf_config, path)[1:]
         self.num_blocks = num_blocks
         self.runner = ModelRunner(
             model, config.block_size, num_blocks, config.max_num_seqs, config.model_len,
@@ -66,7 +75,8 @@ class EngineCore:
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
-                                               config.enable_prefix_caching)
+                                               config.enable_prefix_caching,
+                                               _freeing_window(model, config))
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.step_seconds = Histogram.with_bounds(STEP_SECONDS_BUCKETS)  # steps that computed tokens
         self.fill_in_thread = device.type != "cpu"  # grammar bitmasks (see _grammar_bitmask)
@@ -88,6 +98,10 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request; raises ValueError naming the field when it cannot be served."""
         self._validate(request)
+        params = request.sampling_params
+        if self.extra_eos_ids and not params.ignore_eos:  # as vLLM: they stop like stop ids
+            stops = list(dict.fromkeys([*params.stop_token_ids, *self.extra_eos_ids]))
+            request = replace(request, sampling_params=replace(params, stop_token_ids=stops))
         core_request = Request.from_engine_core_request(request)
         if request.sampling_params.structured_outputs is not None:
             core_request.grammar = self.structured.start(request.sampling_params.structured_outputs)
@@ -248,13 +262,62 @@ def _num_blocks(config: EngineConfig, model: Any, dtype: torch.dtype, device: to
                          available_bytes=available)
 
 
-def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int) -> None:
+def _freeing_window(model: Any, config: EngineConfig) -> int | None:
+    """The window after which a request's blocks can be freed: the largest of the model's
+    windows when every layer has one (Mistral; not hybrid Gemma, whose global layers need every
+    block), and only where no connector saves the prompt's KV (a producer saves each chunk from
+    its blocks once computed, which may be after later chunks were scheduled; a consumer loads
+    the whole prompt, then frees as it decodes)."""
+    windows = tuple(getattr(model, "sliding_windows", ()) or ())
+    if not windows or any(w is None for w in windows):
+        return None
+    if config.kv_connector is not None and config.kv_role != "kv_consumer":
+        return None
+    return max(w for w in windows if w is not None)
+
+
+def _fit_model_len(config: EngineConfig, num_blocks: int, model_limit: int) -> EngineConfig:
+    """Where no max_model_len was asked for and the KV cache cannot hold one request of the
+    model's own limit (Gemma 3 270M: 32k positions, 36 KiB a token in float32), the longest
+    request the cache holds, said in the log (vLLM stops with an error here instead)."""
+    holds = (num_blocks - 1) * config.block_size
+    if holds >= config.model_len:
+        return config
+    logger.warning("the KV cache (%d blocks of %d tokens) cannot hold one request of the model's "
+                   "limit %d: serving max_model_len=%d (set --max-model-len, or raise the KV "
+                   "cache size, to choose)", num_blocks - 1, config.block_size, model_limit, holds)
+    return replace(config, max_model_len=holds)
+
+
+def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int,
+                                   window: int | None = None) -> None:
     needed = -(-config.model_len // config.block_size)
+    if window is not None:  # a window's blocks and one step's new tokens, at most
+        needed = min(needed, -(-(window - 1 + config.max_num_batched_tokens) // config.block_size) + 1)
     if num_blocks - 1 < needed:
         raise ValueError(
             f"the KV cache ({num_blocks - 1} usable blocks of {config.block_size} tokens) cannot "
             f"hold one request of max_model_len={config.model_len} ({needed} blocks): raise "
             f"kv_cache_gib / num_kv_blocks or lower max_model_len")
+
+
+def _eos_token_ids(hf_config: object, model_path: Path) -> list[int]:
+    """Every end-of-sequence id of the model: its config's, then its generation config's (a
+    list in both for chat models: Gemma 3's [<eos>, <end_of_turn>])."""
+    ids: list[int] = []
+    for source in (getattr(hf_config, "eos_token_id", None), _generation_eos(model_path)):
+        for eos in source if isinstance(source, list) else [source]:
+            if isinstance(eos, int) and eos not in ids:
+                ids.append(eos)
+    return ids
+
+
+def _generation_eos(model_path: Path) -> object:
+    file = Path(model_path) / "generation_config.json"
+    try:
+        return json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _eos_token_id(hf_config: object) -> int | None:

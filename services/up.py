@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import DEFAULT_MODEL
-from engine.model.default_model import is_default_model
+from engine.model.sources.default_model import is_default_model
 from services.procs import PortInUseError, check_ports_free, cli, listen
 from services.readiness import (
     router_alive,
@@ -106,6 +106,9 @@ def add_up_parser(subparsers: Any) -> None:
                    help="router: the chat template (default: hermes_tools, shipped with pdserve, for the "
                         "default model; the tokenizer's own for any other; '' = the tokenizer's own); "
                         "tool calls are parsed with the hermes parser, tool_choice \"auto\" enabled")
+    p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="router: split chat replies' <think>...</think> into reasoning (vLLM's flag; "
+                        "qwen3 for Qwen3 models, deepseek_r1 for DeepSeek-R1 and QwQ); default: off")
     p.add_argument("--restart-budget", type=int, default=5,
                    help="restarts of one component allowed within --restart-window-s")
     p.add_argument("--restart-window-s", type=float, default=300.0)
@@ -278,11 +281,14 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
 
 def _tool_args(args: argparse.Namespace) -> list[str]:
     """Tools work out of the box: the default model's own template has none, so it gets pdserve's
-    (which renders plain chats exactly as the model's does); calls are found by the hermes parser."""
+    (which renders plain chats exactly as the model's does); calls are found by the hermes parser.
+    --reasoning-parser goes through as given (off by default, as vLLM's)."""
     template = args.chat_template
     if template is None and is_default_model(args.model):
         template = "hermes_tools"
     out = ["--chat-template", template] if template else []
+    reasoning = getattr(args, "reasoning_parser", None)
+    out += ["--reasoning-parser", reasoning] if reasoning else []
     return [*out, "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
 
 

@@ -50,11 +50,21 @@ class KVCacheManager:
 
     A request's blocks cover its tokens in order; `allocate_slots` grows them for the tokens
     scheduled in a step and records every block that becomes full under its hash.
+
+    `sliding_window` (a model whose every layer sees only its last `sliding_window` positions,
+    vLLM's sliding-window manager): before a request's next tokens get blocks, the blocks that
+    lie wholly before the window of its first new token are freed and replaced by the null
+    block in its list. Freed blocks keep their hash (a later request may still hit them until
+    they are evicted); the attention backends never read a block that left every window.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}
@@ -116,6 +126,8 @@ class KVCacheManager:
         computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
+        if req_blocks and self.sliding_window is not None:
+            self._free_skipped_blocks(req_blocks, num_computed)
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = num_required - len(req_blocks) - len(computed_blocks)
         # Hits that are free right now leave the free queue when taken.
@@ -137,11 +149,28 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
 
+    def _free_skipped_blocks(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
+        """Frees the blocks wholly before the window of the token at `num_computed` (the first
+        to compute next: it sees positions `num_computed - window + 1 ..`), last first."""
+        assert self.sliding_window is not None
+        first_useful = max(0, num_computed - self.sliding_window + 1) // self.block_size
+        skipped = []
+        for i in range(min(first_useful, len(blocks)) - 1, -1, -1):
+            if blocks[i].is_null:  # everything before was freed in an earlier step
+                break
+            skipped.append(blocks[i])
+            blocks[i] = self.block_pool.null_block
+        self.block_pool.free_blocks(skipped)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds (the null blocks standing in for freed ones not counted)."""
+        return sum(1 for b in self.req_to_blocks.get(request_id, []) if not b.is_null)
+
     def free(self, request: Request) -> None:
         """Returns the request's blocks; the last ones become the first to be evicted."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
@@ -167,5 +196,6 @@ class KVCacheManager:
         self._update_block_hashes(request)
         blocks = self.req_to_blocks[request.request_id]
         for i in range(start, num_full):
-            self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+            if not blocks[i].is_null:  # freed (left the window) before its KV was recorded
+                self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = num_full

@@ -1,42 +1,35 @@
-"""Building blocks of the Llama-family decoder: RMSNorm, attention with fused QKV, SwiGLU MLP.
-
-Parameters are created uninitialised (`torch.empty`); `LlamaForCausalLM.load_weights` fills
-them from a checkpoint.
-"""
+"""Building blocks of every decoder served here: RMSNorm, attention with a fused QKV projection
+and the decoder layer (its MLP dense, engine.model.mlp, or sparse, engine.model.moe),
+configured by `ArchOptions`."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.model.arch import ArchOptions
 from engine.model.linear import linear
+from engine.model.mlp import GatedMLP, bias, param
+from engine.model.moe import SparseMoE
 from engine.model.rope import RotaryEmbedding
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
-def _bias(size: int, enabled: bool, dtype: torch.dtype) -> nn.Parameter | None:
-    return _param(size, dtype=dtype) if enabled else None
-
-
-def head_dim_of(config: Any) -> int:
-    """`config.head_dim` when set, else hidden_size // num_attention_heads (as transformers)."""
-    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-
-
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = _param(size, dtype=dtype)
-        self.eps = eps
+    """`x / rms(x) * w`; `gemma=True`: `* (1 + w)`, all in float32, then cast (Gemma's norm)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, gemma: bool = False) -> None:
+        super().__init__()
+        self.weight = param(size, dtype=dtype)
+        self.eps = eps
+        self.gemma = gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
+        if self.gemma:
+            xf = x.float()
+            normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         variance = x.float().pow(2).mean(-1, keepdim=True)
@@ -44,23 +37,28 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention with one fused q/k/v projection; K/V go through the paged cache."""
+    """Self-attention with one fused q/k/v projection; K/V go through the paged cache. Optional:
+    per-head q/k norms, a sliding window, logit soft-capping, a custom scale."""
 
-    def __init__(self, config: Any, rope: RotaryEmbedding, backend: AttentionBackend,
-                 dtype: torch.dtype) -> None:
+    def __init__(self, opts: ArchOptions, layer: int, rope: RotaryEmbedding,
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
+        self.num_heads, self.num_kv_heads = opts.num_heads, opts.num_kv_heads
+        self.head_dim = opts.head_dim
+        self.scale = opts.scale
+        self.window = opts.windows[layer]
+        self.softcap = opts.attn_softcap
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_size, self.kv_size = q_size, kv_size
-        qkv_bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        o_bias = bool(getattr(config, "attention_bias", False)) and config.model_type != "qwen2"
-        self.qkv_weight = _param(q_size + 2 * kv_size, config.hidden_size, dtype=dtype)
-        self.qkv_bias = _bias(q_size + 2 * kv_size, qkv_bias, dtype)
-        self.o_weight = _param(config.hidden_size, q_size, dtype=dtype)
-        self.o_bias = _bias(config.hidden_size, o_bias, dtype)
+        self.qkv_weight = param(q_size + 2 * kv_size, opts.hidden_size, dtype=dtype)
+        self.qkv_bias = bias(q_size + 2 * kv_size, opts.qkv_bias, dtype)
+        self.o_weight = param(opts.hidden_size, q_size, dtype=dtype)
+        self.o_bias = bias(opts.hidden_size, opts.o_bias, dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, opts.norm_eps, dtype, opts.gemma_norms)
+            self.k_norm = RMSNorm(self.head_dim, opts.norm_eps, dtype, opts.gemma_norms)
         self.rope = rope
         self.backend = backend
 
@@ -70,47 +68,50 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        long_tokens: torch.Tensor | None = None,  # [num_tokens] bool, LongRoPE only
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [n, q_size + 2 * kv_size]
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, -1)
-        qk = self.rope(positions, qk)  # [n, num_heads + num_kv_heads, head_dim]
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        if self.q_norm is None or self.k_norm is None:
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, -1)
+            qk = self.rope(positions, qk, long_tokens)  # [n, num_heads + num_kv_heads, head_dim]
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size]
+                            .view(n, self.num_kv_heads, self.head_dim))
+            q, k = self.rope(positions, q, long_tokens), self.rope(positions, k, long_tokens)
+        if self.window is None and self.softcap is None:
+            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale,
+                                       sliding_window=self.window, logits_soft_cap=self.softcap)
         return linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
-
-    def __init__(self, config: Any, dtype: torch.dtype) -> None:
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
-        bias = bool(getattr(config, "mlp_bias", False))
-        inter = config.intermediate_size
-        self.intermediate_size = inter
-        self.gate_up_weight = _param(2 * inter, config.hidden_size, dtype=dtype)
-        self.gate_up_bias = _bias(2 * inter, bias, dtype)
-        self.down_weight = _param(config.hidden_size, inter, dtype=dtype)
-        self.down_bias = _bias(config.hidden_size, bias, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
-        gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return linear(F.silu(gate).mul_(up), self.down_weight, self.down_bias)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, config: Any, rope: RotaryEmbedding, backend: AttentionBackend,
-                 dtype: torch.dtype) -> None:
+    """Pre-norm residual block; with Gemma's norms the attention and MLP outputs are normed
+    too before they join the residual stream."""
+
+    def __init__(self, opts: ArchOptions, layer: int, rope: RotaryEmbedding,
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = Attention(config, rope, backend, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = MLP(config, dtype)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(opts.hidden_size, opts.norm_eps, dtype, opts.gemma_norms)
+
+        self.input_layernorm = norm()
+        self.self_attn = Attention(opts, layer, rope, backend, dtype)
+        self.post_attention_layernorm = norm()
+        self.mlp: nn.Module = (
+            SparseMoE(opts, dtype) if opts.is_moe(layer)
+            else GatedMLP(opts.hidden_size, opts.intermediate_size, opts.activation,
+                          opts.mlp_bias, dtype))
+        self.gemma_norms = opts.gemma_norms
+        if opts.gemma_norms:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(
         self,
@@ -118,6 +119,11 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,  # [num_tokens, hidden], the residual stream
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        long_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata, long_tokens)
+        if not self.gemma_norms:
+            x = x + attn
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -10,27 +10,32 @@ from typing import Any
 import torch
 
 from engine.attention.backend import AttentionBackend
-from engine.model.default_model import ensure_default_model, is_default_model
-from engine.model.llama import LlamaForCausalLM
+from engine.model.causal_lm import CausalLM
+from engine.model.models import SUPPORTED_ARCHITECTURES, architecture_of
+from engine.model.sources.catalog import CATALOG, resolve_catalog
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+__all__ = ["SUPPORTED_ARCHITECTURES", "load_config", "load_model", "resolve_model_path"]
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
 def resolve_model_path(model: str) -> Path:
-    """A folder holding config.json for `model`: the default model's name (converted and
-    cached on first use), an existing local folder, or a hub id already downloadable."""
-    if is_default_model(model):
-        return ensure_default_model()
+    """A folder holding config.json for `model`: a catalog model's name (engine/model/sources/catalog.py:
+    the default model, gemma-3-270m; fetched, converted and cached on first use), a local
+    `.gguf` file (converted and cached on first use), an existing local folder, or a hub id
+    already downloadable."""
+    converted = resolve_catalog(model)
+    if converted is not None:
+        return converted
     local = Path(model).expanduser()
     if (local / "config.json").is_file():
         return local
     try:
         return _snapshot(model)
     except Exception as exc:
+        names = ", ".join(m.name for m in CATALOG)
         raise ValueError(
-            f"model {model!r} is not a local folder, the default model, "
-            f"or a downloadable hub id: {exc}"
+            f"model {model!r} is not a local folder, the default model, or a downloadable hub id "
+            f"(nor a catalog model: {names}; nor a local .gguf file): {exc}"
         ) from exc
 
 
@@ -47,24 +52,34 @@ def _snapshot(repo_id: str) -> Path:
 
 
 def load_config(model_path: Path | str) -> Any:
-    """The transformers config of `model_path`, checked for a supported architecture."""
+    """The transformers config of `model_path`, checked for a supported architecture (a
+    ValueError naming the folder's architecture and the supported ones otherwise)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_path))
-    architectures = list(getattr(config, "architectures", None) or [])
-    if not any(arch in SUPPORTED_ARCHITECTURES for arch in architectures):
-        raise ValueError(
-            f"unsupported model architecture {architectures or config.model_type!r} in {model_path}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    try:
+        architecture_of(config)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (model {model_path})") from None
     return config
 
 
 def iter_safetensors(model_path: Path | str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of every *.safetensors file in the folder."""
+    """(name, tensor) for every tensor of the folder's safetensors: the files its
+    `model.safetensors.index.json` lists (a sharded checkpoint), else every *.safetensors."""
+    import json
+
     from safetensors import safe_open
 
-    files = sorted(Path(model_path).glob("*.safetensors"))
+    index = Path(model_path) / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [Path(model_path) / shard for shard in shards]
+        absent = [str(f) for f in files if not f.is_file()]
+        if absent:
+            raise FileNotFoundError(f"shards listed in {index} are missing: {absent}")
+    else:
+        files = sorted(Path(model_path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {model_path}")
     for file in files:
@@ -78,11 +93,11 @@ def load_model(
     dtype: torch.dtype,
     attn_backend: AttentionBackend,
     device: str | torch.device = "cpu",
-) -> tuple[LlamaForCausalLM, Any]:
+) -> tuple[CausalLM, Any]:
     """Builds our model for the folder's config and loads its safetensors weights.
     Returns `(model in eval mode on device, transformers config)`."""
     config = load_config(model_path)
-    model = LlamaForCausalLM(config, attn_backend, dtype=dtype)
+    model = CausalLM(config, attn_backend, dtype=dtype)
     model.load_weights(iter_safetensors(model_path))
     return model.to(device).eval(), config
 

@@ -1,10 +1,19 @@
-"""Rotary position embedding (the "rotate half" / NeoX form used by Llama, Qwen2, Mistral).
+"""Rotary position embedding (the "rotate half" / NeoX form of every model served here).
 
 Reads the RoPE settings of a transformers 5 config (`config.rope_parameters`: `rope_theta`,
-`rope_type` and the type's own keys) and precomputes a cos/sin table for every position up to
-`max_position_embeddings` (positions must stay below it). Supported types: `default`, `linear`, `dynamic`
-(its frequencies at initialisation, i.e. exact within `max_position_embeddings`), `llama3`,
-`yarn`.
+`rope_type` and the type's own keys; Gemma 3 keeps one such dict per layer type) and
+precomputes a cos/sin table for every position up to `max_position_embeddings` (positions must
+stay below it). Supported types: `default`, `linear`, `dynamic` (its frequencies at
+initialisation, i.e. exact within `max_position_embeddings`), `llama3`, `yarn`, `longrope`.
+`partial_rotary_factor` < 1 (Phi-4-mini) rotates the first part of each head only.
+
+LongRoPE (Phi-3/4) has two frequency sets: transformers uses the long one for a whole forward
+once its largest position reaches `original_max_position_embeddings`, the short one before.
+Here a request's tokens of a step use the long set when the request's context after the step
+is longer than that (`long_tokens`), which is what transformers' forward computes for a whole
+prompt and, with its KV cache, token by token. A prompt split into chunks across that length is
+rotated per chunk, and tokens cached before the switch keep their rotation (transformers'
+`generate` for Phi-3 instead recomputes the whole sequence at the switch; vLLM does not either).
 """
 
 from __future__ import annotations
@@ -15,17 +24,23 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's RoPE settings as one dict with at least `rope_theta` and `rope_type`."""
+def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+    """The config's RoPE settings (for `layer_type` where they are kept per layer type) as one
+    dict with at least `rope_theta` and `rope_type`."""
     params = dict(getattr(config, "rope_parameters", None) or {})
     legacy = getattr(config, "rope_scaling", None)
     if not params and isinstance(legacy, dict):
         params = dict(legacy)
+    if params and all(isinstance(v, dict) for v in params.values()):  # one dict per layer type
+        if layer_type not in params:
+            raise ValueError(f"no RoPE parameters for layer type {layer_type!r}: {sorted(params)}")
+        params = dict(params[layer_type])
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     return params
 
 
@@ -76,12 +91,30 @@ def _yarn(base: float, dim: int, p: dict[str, Any], max_pos: int) -> tuple[torch
     return inv_freq, float(attention_factor)
 
 
-def inv_freq_and_scaling(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies `[head_dim / 2]` float32 and the cos/sin scaling factor."""
-    p = rope_parameters(config)
+def _longrope(base: float, dim: int, p: dict[str, Any], max_pos: int,
+              long: bool) -> tuple[torch.Tensor, float]:
+    orig = p["original_max_position_embeddings"]
+    factor = p.get("factor") or max_pos / orig
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    ext = torch.tensor(p["long_factor" if long else "short_factor"], dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (ext * base**exponents), float(attention_factor)
+
+
+def rotary_dim(config: Any, head_dim: int, layer_type: str | None = None) -> int:
+    """How many leading dims of each head are rotated (`head_dim * partial_rotary_factor`)."""
+    return int(head_dim * float(rope_parameters(config, layer_type)["partial_rotary_factor"]))
+
+
+def inv_freq_and_scaling(config: Any, head_dim: int, layer_type: str | None = None,
+                         long: bool = False) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies `[rotary_dim / 2]` float32 and the cos/sin scaling factor (`long`:
+    LongRoPE's long-context set)."""
+    p = rope_parameters(config, layer_type)
     rope_type, base = p["rope_type"], float(p["rope_theta"])
-    if p.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1 is not supported")
+    head_dim = rotary_dim(config, head_dim, layer_type)
     inv_freq = _default_inv_freq(base, head_dim)
     if rope_type in ("default", "dynamic"):
         return inv_freq, 1.0
@@ -91,6 +124,8 @@ def inv_freq_and_scaling(config: Any, head_dim: int) -> tuple[torch.Tensor, floa
         return _llama3(inv_freq, p), 1.0
     if rope_type == "yarn":
         return _yarn(base, head_dim, p, config.max_position_embeddings)
+    if rope_type == "longrope":
+        return _longrope(base, head_dim, p, config.max_position_embeddings, long)
     raise ValueError(f"rope_type {rope_type!r} is not supported (supported: {SUPPORTED_ROPE_TYPES})")
 
 
@@ -100,28 +135,56 @@ class RotaryEmbedding(nn.Module):
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, config: Any, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config: Any, head_dim: int, max_positions: int,
+                 layer_type: str | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.inv_freq, self.scaling = inv_freq_and_scaling(config, head_dim)
-        self.register_buffer("cos", torch.empty(0), persistent=False)
-        self.register_buffer("sin", torch.empty(0), persistent=False)
-        self._build(max_positions)
+        self.rotary_dim = rotary_dim(config, head_dim, layer_type)
+        params = rope_parameters(config, layer_type)
+        cos, sin = self._table(config, layer_type, max_positions, long=False)
+        # LongRoPE: the long set's rows follow the short set's in one table
+        self.long_after: int | None = None
+        if params["rope_type"] == "longrope":
+            self.long_after = int(params["original_max_position_embeddings"])
+            cos_long, sin_long = self._table(config, layer_type, max_positions, long=True)
+            cos, sin = torch.cat((cos, cos_long)), torch.cat((sin, sin_long))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.num_positions = max_positions
 
-    def _build(self, num_positions: int) -> None:
+    def _table(self, config: Any, layer_type: str | None, num_positions: int,
+               long: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scaling = inv_freq_and_scaling(config, self.head_dim, layer_type, long)
         pos = torch.arange(num_positions, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq)  # [num_positions, head_dim / 2]
-        self.cos = freqs.cos() * self.scaling
-        self.sin = freqs.sin() * self.scaling
+        freqs = torch.outer(pos, inv_freq)  # [num_positions, rotary_dim / 2]
+        return freqs.cos() * scaling, freqs.sin() * scaling
+
+    def long_tokens(self, positions: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+                    pure_decode: bool) -> torch.Tensor | None:
+        """LongRoPE only: `[num_tokens]` bool, True where a token takes the long set (its
+        request's context after this step is longer than `original_max_position_embeddings`);
+        None for other RoPE types."""
+        if self.long_after is None:
+            return None
+        if pure_decode:  # one token a request: its context is its position + 1
+            return positions >= self.long_after
+        per_req = torch.tensor([s > self.long_after for s in seq_lens], device=positions.device)
+        return per_req.repeat_interleave(
+            torch.tensor(query_lens, device=positions.device), output_size=positions.shape[0])
 
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens] int64
         x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        long_tokens: torch.Tensor | None = None,  # [num_tokens] bool, LongRoPE only
     ) -> torch.Tensor:
         """Returns the rotated `x` (a new tensor of the same shape and dtype)."""
-        half = self.head_dim // 2
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        rows = positions if long_tokens is None else positions + long_tokens * self.num_positions
+        cos = self.cos[rows].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, rotary_dim / 2]
+        sin = self.sin[rows].unsqueeze(1).to(x.dtype)
+        half = self.rotary_dim // 2
+        x1, x2 = x[..., :half], x[..., half : self.rotary_dim]
+        rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        if self.rotary_dim == self.head_dim:
+            return torch.cat(rotated, dim=-1)
+        return torch.cat((*rotated, x[..., self.rotary_dim :]), dim=-1)

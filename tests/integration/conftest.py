@@ -1,4 +1,4 @@
-"""Model folders for integration tests: tiny random Llama / Qwen2 / Mistral models that share
+"""Model folders for integration tests: tiny random models of every architecture, sharing
 the default model's tokenizer, and transformers' greedy outputs as the reference."""
 
 from __future__ import annotations
@@ -35,6 +35,35 @@ def _hf_config(arch: str) -> object:
         return transformers.Qwen2Config(**common, tie_word_embeddings=False)
     if arch == "mistral":
         return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
+    # Windows of 24 keys: the test prompts (up to 130 tokens) and outputs run far past them.
+    if arch == "mistral_window":
+        return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=24)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**{**common, "head_dim": 24}, tie_word_embeddings=True)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **{**common, "head_dim": 16}, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False)
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, tie_word_embeddings=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
+                                          tie_word_embeddings=False)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**{**common, "head_dim": 16}, query_pre_attn_scalar=16,
+                                         sliding_window=24, attn_logit_softcapping=20.0,
+                                         final_logit_softcapping=10.0)
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **{**common, "head_dim": 16, "num_hidden_layers": 3}, query_pre_attn_scalar=16,
+            sliding_window=24, layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    if arch == "phi3":
+        return transformers.Phi3Config(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 256,
+            "short_factor": [1.0, 1.1, 1.2, 1.4, 1.7, 2.0], "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 8.0]})
     raise ValueError(arch)
 
 
@@ -54,6 +83,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory,
         if arch not in made:
             torch.manual_seed(1234)
             model = transformers.AutoModelForCausalLM.from_config(_hf_config(arch))
+            with torch.no_grad():  # (1 + w) norms start at w = 0, routers at zero: perturb them
+                for name, param in model.named_parameters():
+                    if "norm" in name or param.std() == 0:
+                        param.add_(torch.randn_like(param) * 0.1)
             path = tmp_path_factory.mktemp(f"tiny-{arch}")
             model.save_pretrained(path)
             for name in TOKENIZER_FILES:

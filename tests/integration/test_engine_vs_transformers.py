@@ -29,6 +29,10 @@ def greedy(n: int = 1) -> SamplingParams:
     return SamplingParams(n=n, temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
 
 
+ARCHS = ["llama", "qwen2", "mistral", "mistral_window", "qwen3", "qwen3_moe", "qwen2_moe",
+         "mixtral", "gemma2", "gemma3", "phi3"]
+
+
 MODES: dict[str, dict[str, Any]] = {
     "batch": {},
     "chunked": {"max_num_batched_tokens": 32},
@@ -63,8 +67,15 @@ def run_llm(model_dir: Path, mode: str, prompts: list[list[int]]) -> tuple[list[
     return [[list(c.token_ids) for c in o.outputs] for o in outs], llm
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+# Every architecture in the modes the issue names; the two SJF modes (scheduling order only)
+# run for the first three by default and for all with --runslow, to keep the suite's time.
+_SJF_FOR_ALL = {"sjf", "sjf-preempt"}
+CASES = [pytest.param(arch, mode, marks=[pytest.mark.slow] if mode in _SJF_FOR_ALL
+                      and arch not in ARCHS[:3] else [])
+         for arch in ARCHS for mode in MODES]
+
+
+@pytest.mark.parametrize(("arch", "mode"), CASES)
 def test_tiny_models_match_transformers(arch: str, mode: str, tiny_model_dir: Callable[[str], Path],
                                         hf_greedy: Callable[..., list[list[int]]]) -> None:
     path = tiny_model_dir(arch)

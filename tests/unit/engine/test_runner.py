@@ -16,7 +16,7 @@ from engine.core.outputs import (
     NewRequestData,
     SchedulerOutput,
 )
-from engine.model.llama import LlamaForCausalLM
+from engine.model.causal_lm import CausalLM
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 
@@ -36,13 +36,13 @@ def hf_model() -> Any:
 
 
 @pytest.fixture(scope="module")
-def model(hf_model: Any) -> LlamaForCausalLM:
-    ours = LlamaForCausalLM(hf_model.config, TorchAttentionBackend(), torch.float32)
+def model(hf_model: Any) -> CausalLM:
+    ours = CausalLM(hf_model.config, TorchAttentionBackend(), torch.float32)
     ours.load_weights(hf_model.state_dict().items())
     return ours
 
 
-def _runner(model: LlamaForCausalLM, eos: int | None = None) -> ModelRunner:
+def _runner(model: CausalLM, eos: int | None = None) -> ModelRunner:
     return ModelRunner(model, BLOCK, num_blocks=128, max_num_seqs=8, max_model_len=128,
                        max_num_batched_tokens=64, dtype=torch.float32,
                        device=torch.device("cpu"), eos_token_id=eos, seed=0)
@@ -120,7 +120,7 @@ class MiniScheduler:
             self.step({r: 1 for r in req_ids})
 
 
-def test_whole_prefill_then_decodes_match_hf_greedy(model: LlamaForCausalLM, hf_model: Any) -> None:
+def test_whole_prefill_then_decodes_match_hf_greedy(model: CausalLM, hf_model: Any) -> None:
     sched = MiniScheduler(_runner(model))
     prompt = _prompt(1, 13)
     sched.add("a", prompt)
@@ -130,7 +130,7 @@ def test_whole_prefill_then_decodes_match_hf_greedy(model: LlamaForCausalLM, hf_
     assert sched.outputs["a"] == _hf_greedy(hf_model, prompt, 8)
 
 
-def test_chunked_prefill_samples_only_after_last_chunk(model: LlamaForCausalLM, hf_model: Any) -> None:
+def test_chunked_prefill_samples_only_after_last_chunk(model: CausalLM, hf_model: Any) -> None:
     sched = MiniScheduler(_runner(model))
     prompt = _prompt(2, 11)
     sched.add("a", prompt)
@@ -140,7 +140,7 @@ def test_chunked_prefill_samples_only_after_last_chunk(model: LlamaForCausalLM, 
     assert sched.outputs["a"] == _hf_greedy(hf_model, prompt, 6)
 
 
-def test_mixed_batch_of_prefill_chunk_and_decodes_matches_hf(model: LlamaForCausalLM, hf_model: Any) -> None:
+def test_mixed_batch_of_prefill_chunk_and_decodes_matches_hf(model: CausalLM, hf_model: Any) -> None:
     sched = MiniScheduler(_runner(model))
     prompts = {"a": _prompt(3, 9), "b": _prompt(4, 17), "c": _prompt(5, 5)}
     for req_id, prompt in prompts.items():
@@ -155,7 +155,7 @@ def test_mixed_batch_of_prefill_chunk_and_decodes_matches_hf(model: LlamaForCaus
         assert sched.outputs[req_id] == _hf_greedy(hf_model, prompt, n), req_id
 
 
-def test_preempted_request_resumes_with_new_blocks(model: LlamaForCausalLM, hf_model: Any) -> None:
+def test_preempted_request_resumes_with_new_blocks(model: CausalLM, hf_model: Any) -> None:
     runner = _runner(model)
     sched = MiniScheduler(runner)
     prompt = _prompt(6, 10)
@@ -175,7 +175,7 @@ def test_preempted_request_resumes_with_new_blocks(model: LlamaForCausalLM, hf_m
     assert sched.outputs["a"] == _hf_greedy(hf_model, prompt, len(sched.outputs["a"]))
 
 
-def test_seeded_request_gives_same_tokens_alone_and_in_a_batch(model: LlamaForCausalLM) -> None:
+def test_seeded_request_gives_same_tokens_alone_and_in_a_batch(model: CausalLM) -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=64)
     prompt = _prompt(8, 12)
 
@@ -197,7 +197,7 @@ def test_seeded_request_gives_same_tokens_alone_and_in_a_batch(model: LlamaForCa
     assert batch.outputs["s"] == alone.outputs["s"]
 
 
-def test_finished_requests_are_dropped(model: LlamaForCausalLM) -> None:
+def test_finished_requests_are_dropped(model: CausalLM) -> None:
     runner = _runner(model)
     sched = MiniScheduler(runner)
     sched.add("a", _prompt(11, 4))
@@ -209,7 +209,7 @@ def test_finished_requests_are_dropped(model: LlamaForCausalLM) -> None:
     assert runner.requests["b"].output_token_ids == sched.outputs["b"]
 
 
-def test_logprobs_are_returned_for_requests_that_ask(model: LlamaForCausalLM, hf_model: Any) -> None:
+def test_logprobs_are_returned_for_requests_that_ask(model: CausalLM, hf_model: Any) -> None:
     sched = MiniScheduler(_runner(model))
     prompt = _prompt(13, 8)
     sched.add("a", prompt, SamplingParams(temperature=0.0, logprobs=3))
@@ -226,7 +226,7 @@ def test_logprobs_are_returned_for_requests_that_ask(model: LlamaForCausalLM, hf
     assert entry.sampled_rank == 1
 
 
-def test_min_tokens_keeps_eos_out_until_reached(model: LlamaForCausalLM, hf_model: Any) -> None:
+def test_min_tokens_keeps_eos_out_until_reached(model: CausalLM, hf_model: Any) -> None:
     prompt = _prompt(15, 6)
     eos = _hf_greedy(hf_model, prompt, 1)[0]  # the token greedy decoding would pick first
     sched = MiniScheduler(_runner(model, eos=eos))

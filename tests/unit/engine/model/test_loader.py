@@ -12,8 +12,8 @@ from torch.testing import assert_close
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.model import default_model
 from engine.model.loader import load_model, load_tokenizer, model_max_len, resolve_model_path
+from engine.model.sources import catalog
 
 
 def _save_tiny(folder: Path, **overrides: Any) -> Any:
@@ -48,6 +48,29 @@ def test_unsupported_architecture_is_rejected_by_name(tmp_path: Path) -> None:
         load_model(tmp_path, torch.float32, TorchAttentionBackend())
 
 
+def test_sharded_moe_checkpoint_loads_from_its_index(tmp_path: Path, paged_driver) -> None:
+    """A sharded checkpoint (model.safetensors.index.json), its experts one tensor each as
+    checkpoints on disk keep them (transformers 5 fuses them in memory only); a stray
+    safetensors file the index does not list is not read."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                           max_position_embeddings=96, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    hf_model.save_pretrained(tmp_path, max_shard_size="40KB")
+    assert len(list(tmp_path.glob("model-0000*-of-*.safetensors"))) > 2
+    from safetensors.torch import save_file
+
+    save_file({"junk": torch.zeros(3)}, str(tmp_path / "stray.safetensors"))
+    model, _ = load_model(tmp_path, torch.float32, TorchAttentionBackend())
+    tokens = list(range(5, 25))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([tokens])).logits[0]
+    assert_close(paged_driver(model).step([("a", tokens)])["a"], expected, atol=1e-4, rtol=1e-4)
+
+
 def test_unknown_model_name_gives_a_clear_error() -> None:
     with pytest.raises(ValueError, match="is not a local folder, the default model, or a downloadable"):
         resolve_model_path("no/such/model-x")
@@ -75,7 +98,7 @@ def test_default_model_matches_transformers_greedy_and_converts_once(
     def no_conversion(*args: Any) -> None:
         raise AssertionError("converted again")
 
-    monkeypatch.setattr(default_model, "convert_gguf", no_conversion)
+    monkeypatch.setattr(catalog, "convert_gguf", no_conversion)
     assert resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct") == path
 
     ours, _ = load_model(path, torch.float32, TorchAttentionBackend())

@@ -1,0 +1,134 @@
+"""The causal LM every architecture here is built as, over a paged KV cache.
+
+The model takes the flattened tokens of one varlen batch (`input_ids`, `positions`), one KV
+cache tensor per layer and the step's `AttentionMetadata`; it returns the final-normed hidden
+states of every token. The runner picks the rows it needs and calls `compute_logits`.
+Layers with a sliding window attend to the last `window` positions only (the attention
+backends mask by window); Gemma 3's local and global layers each get their own RoPE.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention.backend import AttentionBackend, AttentionMetadata
+from engine.model.arch import ArchOptions
+from engine.model.layers import DecoderLayer, RMSNorm
+from engine.model.linear import linear
+from engine.model.mlp import param
+from engine.model.rope import RotaryEmbedding
+from engine.model.weights import map_name
+
+LayerHook = Callable[[int], None]
+
+
+class CausalLM(nn.Module):
+    """Decoder-only transformer: embedding, `num_layers` decoder layers, final norm, LM head."""
+
+    def __init__(self, hf_config: Any, attn_backend: AttentionBackend,
+                 dtype: torch.dtype = torch.float32, opts: ArchOptions | None = None) -> None:
+        super().__init__()
+        from engine.model.models import options_for
+
+        self.config = hf_config
+        self.opts = opts = opts or options_for(hf_config)
+        self.dtype = dtype
+        self.embed_tokens = param(opts.vocab_size, opts.hidden_size, dtype=dtype)
+        max_pos = int(hf_config.max_position_embeddings)
+        ropes = {t: RotaryEmbedding(hf_config, opts.head_dim, max_pos, t)
+                 for t in dict.fromkeys(opts.rope_layer_types)}
+        self.ropes = nn.ModuleList(ropes.values())
+        # LongRoPE picks a frequency set per token from the step's lengths (one model-wide rope)
+        self._longrope: RotaryEmbedding | None = next(
+            (r for r in ropes.values() if r.long_after is not None), None)
+        self.layers = nn.ModuleList(
+            DecoderLayer(opts, i, ropes[opts.rope_layer_types[i]], attn_backend, dtype)
+            for i in range(opts.num_layers)
+        )
+        self.norm = RMSNorm(opts.hidden_size, opts.norm_eps, dtype, opts.gemma_norms)
+        self.tie_word_embeddings = opts.tie_word_embeddings
+        self.lm_head = self.embed_tokens if self.tie_word_embeddings else param(
+            opts.vocab_size, opts.hidden_size, dtype=dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.opts.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.opts.head_dim
+
+    @property
+    def vocab_size(self) -> int:
+        return self.opts.vocab_size
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: the layer attends to the whole context)."""
+        return self.opts.windows
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, kv_heads, head_dim]
+        metadata: AttentionMetadata,
+        before_layer: LayerHook | None = None,
+        after_layer: LayerHook | None = None,
+    ) -> torch.Tensor:
+        """Runs all layers (writing each layer's new K/V into its cache); returns the
+        final-normed hidden states `[num_tokens, hidden]`. `before_layer(i)` / `after_layer(i)`
+        are called around layer `i` (e.g. a KV connector waiting for a layer's load, or
+        saving a layer's KV as soon as it is written)."""
+        x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+        if self.opts.embed_scale is not None:
+            x = x * torch.tensor(self.opts.embed_scale, dtype=x.dtype)
+        long_tokens = None if self._longrope is None else self._longrope.long_tokens(
+            positions, metadata.query_lens_cpu, metadata.seq_lens_cpu, metadata.is_pure_decode)
+        for i, layer in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(i)
+            x = layer(positions, x, kv_caches[i], metadata, long_tokens)
+            if after_layer is not None:
+                after_layer(i)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`[n, hidden]` -> float32 logits `[n, vocab_size]` (soft-capped where the model is)."""
+        logits = linear(hidden, self.lm_head).float()
+        cap = self.opts.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face checkpoint tensors (`model.layers.0.self_attn.q_proj.weight`, ...)
+        into the (fused) parameters. Raises ValueError for unknown names, wrong shapes, or
+        parameters the checkpoint leaves (partly) unset."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: dict[str, int] = {}  # parameter name -> elements set so far
+        for hf_name, tensor in weights:
+            target = map_name(hf_name, self.opts)
+            if target is None:
+                continue
+            name, index = target
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
+            dst = params[name].data if index is None else params[name].data[index]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+            dst.copy_(tensor.to(self.dtype))
+            loaded[name] = loaded.get(name, 0) + dst.numel()
+        missing = [
+            name for name, p in params.items()
+            if loaded.get(name, 0) < p.numel() and not (name == "lm_head" and self.tie_word_embeddings)
+        ]
+        if missing:
+            raise ValueError(f"checkpoint does not set parameters: {missing}")
