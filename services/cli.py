@@ -298,6 +298,10 @@ def _add_router(subparsers: Any) -> None:
                    help="how the tool calls a model writes are found (<tool_call>{...}</tool_call>)")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default with tools); needs --tool-call-parser')
+    t.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
+                   help="split a chat reply's <think>...</think> off its content into reasoning (and "
+                        "reasoning_content); deepseek_r1: the reply starts in its reasoning unless the "
+                        "prompt closed it (the start tag may be absent)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run_router)
 
@@ -337,6 +341,7 @@ def _run_router(args: argparse.Namespace) -> int:
                               chat_template=args.chat_template or None,
                               tool_call_parser=args.tool_call_parser,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
+                              reasoning_parser=args.reasoning_parser,
                               structured_outputs_backend=args.structured_outputs_backend,
                               max_heavy_per_caller=args.max_heavy_per_caller, max_heavy=args.max_heavy,
                               max_pooled_per_caller=args.max_pooled_per_caller, max_pooled=args.max_pooled,

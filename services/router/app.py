@@ -6,7 +6,7 @@
 
 The layout of services/router/: `http/` is the HTTP surface (routes, the edge's limits and
 timeouts, the hot path, API keys, liveness, the response writers); `api/` the OpenAI request
-features (the request models, tools, structured outputs, chat options, the body's shape);
+features (the request models, tools, reasoning, structured outputs, chat options, the body's shape);
 `dispatch/` the worker pools, prefix index and calls in flight (prefill -> decode, migration);
 `prepare.py` turns a raw body into prompts and sampling parameters (on the loop or in the
 tokenizer pool), `generation.py` runs a request's samples (`fanout.py`: n, best_of) and

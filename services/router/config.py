@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from services.router.api.reasoning import REASONING_PARSERS
 from services.router.api.tools import TOOL_CALL_PARSERS, chat_template_text
 from services.router.dispatch.dispatcher import DispatchOptions
 from services.router.http.admin import parse_networks
@@ -63,6 +64,9 @@ class RouterConfig:
     chat_template: str | None = None
     tool_call_parser: str | None = None
     enable_auto_tool_choice: bool = False
+    # vLLM's --reasoning-parser: a chat's <think>...</think> part goes to the message's reasoning
+    # (services/router/api/reasoning.py), the rest is its content (tool calls parsed from it).
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -89,6 +93,9 @@ class RouterConfig:
         if self.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"tool_call_parser: must be one of {TOOL_CALL_PARSERS}, got "
                              f"{self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser: must be one of {REASONING_PARSERS}, got "
+                             f"{self.reasoning_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (as vLLM's flags)")
         if self.chat_template is not None:

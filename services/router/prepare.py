@@ -22,6 +22,7 @@ from services.router.api.body_shape import ShapeLimits, check_shape
 from services.router.api.chat_options import echo_text, reply_role, template_options
 from services.router.api.openai_models import ChatCompletionRequest, CompletionRequest
 from services.router.api.prompt_render import echo_chars
+from services.router.api.reasoning import reasoning_plan
 from services.router.api.structured import requested
 from services.router.api.tools import constrain, tool_plan
 from services.router.api.unsupported import log_ignored
@@ -144,10 +145,12 @@ def prepare_chat(gen: Generator, raw: bytes, large: bool) -> Prepared:
     fields = {**body.sampling_kwargs(), "structured_outputs": gen.constrain(requested(body))}
     constrain(fields, tools)  # tool_choice required / named: its grammar, or a 400 beside another
     params = gen.params(len(ids), body.token_limit, fields, top)
+    reasoning = reasoning_plan(config.reasoning_parser, gen.thread_tokenizer, ids, body.include_reasoning,
+                               constrained=fields.get("structured_outputs") is not None)
     reply = Reply(gen, body.model, f"chatcmpl-{uuid.uuid4().hex}", (len(ids),), body.n, True,
                   body.include_usage, body.continuous_usage, role=reply_role(body, body.messages),
                   echo=echo_text(body, body.messages, body.echo), prompt_logprobs=body.prompt_logprobs,
-                  tools=replace(tools, template_tools=()) if tools.parses else None)
+                  tools=replace(tools, template_tools=()) if tools.parses else None, reasoning=reasoning)
     return Prepared(reply, [ids], _options(body, params), body.stream)
 
 

@@ -281,6 +281,10 @@ class ChatMessage(BaseModel):
     tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOLS)] | None = None  # the assistant's
     # The call a tool message answers: required for role "tool" (validate_default: checked when absent).
     tool_call_id: StrictStr | None = Field(default=None, validate_default=True)
+    # An assistant turn's reasoning, as a reasoning parser returned it (vLLM's `reasoning`, and its
+    # older name): the template gets it as both (Qwen3's renders `reasoning_content` in tool loops).
+    reasoning: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
 
     @field_validator("tool_calls")
     @classmethod
@@ -312,6 +316,9 @@ class ChatMessage(BaseModel):
                 for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None and self.role == "assistant":
+            out["reasoning"] = out["reasoning_content"] = reasoning
         return out
 
 
@@ -329,6 +336,7 @@ class ChatCompletionRequest(_SamplingFields, ChatTemplateFields, ToolFields, _Ch
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
     echo: StrictBool = False  # vLLM's: the reply starts with the last message when it has the reply's role
+    include_reasoning: StrictBool = True  # vLLM's: false drops the reasoning part (--reasoning-parser)
 
     @property
     def token_limit(self) -> int | None:
@@ -391,8 +399,11 @@ def completion_body(request_id: str, model: str, choices: list[dict[str, Any]],
     return body
 
 
-def models_body(model: str) -> dict[str, Any]:
-    return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "pdserve"}]}
+def models_body(model: str, max_model_len: int, created: int, root: str | None = None) -> dict[str, Any]:
+    """`/v1/models` as vLLM answers it: one model card with the context limit requests get."""
+    card = {"id": model, "object": "model", "created": created, "owned_by": "pdserve",
+            "root": root or model, "parent": None, "max_model_len": max_model_len}
+    return {"object": "list", "data": [card]}
 
 
 class WorkerChange(BaseModel):

@@ -12,6 +12,7 @@ there itself.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -64,14 +65,20 @@ def openai_routes(gen: Callable[[], Generator], limits: Callable[[], PoolLimits]
         except OpenAIError as e:
             return e.response()
 
+    created = int(time.time())  # when this router started serving the model
+
+    def body() -> dict[str, Any]:
+        g = gen()
+        return models_body(g.config.model, g.max_model_len, created, g.config.tokenizer)
+
     @router.get("/v1/models", responses=MODELS_RESPONSES)
     async def models() -> dict[str, Any]:
-        return models_body(gen().config.model)
+        return body()
 
     @router.get("/v1/models/{model_id:path}", responses=MODELS_RESPONSES)
     async def model(model_id: str) -> dict[str, Any]:
         check_model(gen(), model_id)
-        card: dict[str, Any] = models_body(gen().config.model)["data"][0]
+        card: dict[str, Any] = body()["data"][0]
         return card
 
     @router.post("/v1/completions", response_model=None, responses=OPENAI_RESPONSES)

@@ -22,9 +22,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from engine.detokenizer import decode_token
+from services.router.api.choice_text import ChoiceText, message_fields
 from services.router.api.openai_models import completion_body, error_body, usage_body
 from services.router.api.prompt_render import echo_logprobs, prompt_logprobs_body, top_candidates
-from services.router.api.tools import ChoiceCalls, ToolPlan
+from services.router.api.reasoning import ReasoningPlan
+from services.router.api.tools import ToolPlan
 from services.router.dispatch.dispatcher import NoWorkerError
 from services.router.errors import from_dispatch
 from services.router.fanout import Delta
@@ -54,6 +56,15 @@ class Reply:
     logprobs: int | None = None  # completions' logprobs (top-N), None when not asked
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs (top-N), None when not asked
     tools: ToolPlan | None = None  # a chat's tool calls are parsed out of its text (tools.py)
+    reasoning: ReasoningPlan | None = None  # a chat's reasoning is split off its text (reasoning.py)
+
+    @property
+    def parsed(self) -> bool:
+        """Whether a chat's text goes through parsers (choice_text.py) rather than out as content."""
+        return self.tools is not None or self.reasoning is not None
+
+    def choice_text(self) -> ChoiceText:
+        return ChoiceText(self.tools, self.reasoning)
 
     @property
     def num_choices(self) -> int:
@@ -103,7 +114,7 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
                          ) -> AsyncIterator[str]:
     finals: dict[int, Delta] = {}
     started: set[int] = set()
-    calls: dict[int, ChoiceCalls] = {}  # each chat choice's tool-call parser
+    parsers: dict[int, ChoiceText] = {}  # each chat choice's reasoning and tool-call parsers
     try:
         async with aclosing(deltas):
             delta: Delta | None = first
@@ -118,9 +129,9 @@ async def _stream_chunks(reply: Reply, first: Delta, deltas: AsyncGenerator[Delt
                     first_events = _chat_start(reply, delta.index)
                 if delta.finish_reason:
                     finals[delta.index] = delta
-                if reply.tools is not None:
-                    mine = calls.setdefault(delta.index, ChoiceCalls(reply.tools))
-                    choices = _tool_choices(reply, delta, mine, opening)
+                if reply.parsed:
+                    mine = parsers.setdefault(delta.index, reply.choice_text())
+                    choices = _parsed_choices(reply, delta, mine, opening)
                 else:
                     choices = [_choice(reply, delta, stream=True, first=opening)]
                 usage = _so_far(reply, delta.index, delta.completion_tokens, delta.cached_tokens)
@@ -214,30 +225,25 @@ def _choice(reply: Reply, delta: Delta, stream: bool, first: bool) -> dict[str, 
     if stream:
         return {"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs,
                 "finish_reason": delta.finish_reason}
-    if reply.tools is None:
+    if not reply.parsed:
         return {"index": delta.index, "message": {"role": reply.role, "content": reply.echo + delta.text},
                 "logprobs": logprobs, "finish_reason": delta.finish_reason}
-    calls = ChoiceCalls(reply.tools)
-    content, tool_calls = calls.message(delta.text)
-    text = reply.echo + (content or "")
-    message: dict[str, Any] = {"role": reply.role, "content": text if text or content is not None else None}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
+    parsed = reply.choice_text()
+    message = {"role": reply.role, **message_fields(parsed.message(delta.text), reply.echo)}
     return {"index": delta.index, "message": message, "logprobs": logprobs,
-            "finish_reason": reply.tools.finish_reason(delta.finish_reason, calls.called)}
+            "finish_reason": parsed.finish_reason(delta.finish_reason)}
 
 
-def _tool_choices(reply: Reply, delta: Delta, calls: ChoiceCalls, opening: bool) -> list[dict[str, Any]]:
-    """A streamed chat delta through its choice's tool-call parser: one chunk's choice per delta
-    body (a call's header and its arguments go in chunks of their own), the logprobs on the first,
-    the finish_reason on the last; none while the parser holds the text back, unless the delta
-    carries logprobs, ends the choice or opens it (its prompt logprobs)."""
-    assert reply.tools is not None
-    bodies = calls.deltas(delta.text, bool(delta.finish_reason))
+def _parsed_choices(reply: Reply, delta: Delta, parsed: ChoiceText, opening: bool) -> list[dict[str, Any]]:
+    """A streamed chat delta through its choice's parsers (reasoning, tool calls): one chunk's
+    choice per delta body (a call's header and its arguments go in chunks of their own), the
+    logprobs on the first, the finish_reason on the last; none while the parsers hold the text
+    back, unless the delta carries logprobs, ends the choice or opens it (its prompt logprobs)."""
+    bodies = parsed.deltas(delta.text, bool(delta.finish_reason))
     if not bodies and (delta.finish_reason or delta.logprobs or opening):
         bodies = [{}]
     logprobs = _logprobs(reply, delta) if delta.logprobs else None
-    finish = reply.tools.finish_reason(delta.finish_reason, calls.called)
+    finish = parsed.finish_reason(delta.finish_reason)
     return [{"index": delta.index, "delta": body, "logprobs": logprobs if k == 0 else None,
              "finish_reason": finish if k == len(bodies) - 1 else None} for k, body in enumerate(bodies)]
 

@@ -1,10 +1,12 @@
 """A router without --max-model-len serves the max_model_len its workers report (the smallest of
 them), not a default of its own: prompts the workers take are not refused at the edge, and those
-they cannot take are a 400 naming the limit. With one configured, it serves at most that."""
+they cannot take are a 400 naming the limit. With one configured, it serves at most that.
+`/v1/models` reports the same limit."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,6 +48,11 @@ async def test_the_router_serves_what_its_workers_can(router: ServedRouter) -> N
                 break
             await asyncio.sleep(0.1)
         assert await served_len(http, router.url) == want != DEFAULT_MAX_MODEL_LEN
+        for path in ("/v1/models", "/v1/models/tiny"):  # vLLM's model card carries the limit too
+            r = await http.get(f"{router.url}{path}")
+            card = r.json()["data"][0] if path == "/v1/models" else r.json()
+            assert card["max_model_len"] == want and card["id"] == "tiny", card
+            assert abs(card["created"] - time.time()) < 600
         fits = {"model": "tiny", "prompt": [100 + i for i in range(want - 4)], "max_tokens": 4,
                 "temperature": 0}
         r = await http.post(f"{router.url}/v1/completions", json=fits)
