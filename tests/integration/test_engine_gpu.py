@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.test_engine_vs_transformers import MAX_NEW, MODES, greedy, tiny_prompts
+from tests.integration.test_engine_vs_transformers import ARCHS, MAX_NEW, MODES, greedy, tiny_prompts
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +44,7 @@ def hf_greedy_cuda() -> Callable[[Path, list[list[int]], int], list[list[int]]]:
 
 @pytest.mark.parametrize("eager", [False, True], ids=["cudagraphs", "eager"])
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ARCHS)  # every architecture: windows, capping, MoE (fused Triton)
 def test_gpu_engine_matches_transformers(arch: str, mode: str, eager: bool,
                                          tiny_model_dir: Callable[[str], Path],
                                          hf_greedy_cuda: Callable[..., list[list[int]]]) -> None:

@@ -25,13 +25,17 @@ NEW_TOKENS = 12
 
 # batch by default; the other modes (~19 s in Triton's CPU interpreter) with --runslow, where a
 # GPU session runs them on CUDA. Each kernel is checked against its reference in tests/unit.
+# Gemma 2 (windows on alternate layers, soft-capping) and windowed Mistral (blocks freed behind
+# the window) take the kernels' window and cap paths.
+@pytest.mark.parametrize("arch", ["qwen2", "gemma2", "mistral_window"])
 @pytest.mark.parametrize("mode", ["batch", *(pytest.param(m, marks=pytest.mark.slow)
                                              for m in ("chunked", "preempt", "prefix"))])
-def test_triton_backend_matches_transformers(mode: str, tiny_model_dir: Callable[[str], Path],
+def test_triton_backend_matches_transformers(arch: str, mode: str,
+                                             tiny_model_dir: Callable[[str], Path],
                                              hf_greedy: Callable[..., list[list[int]]]) -> None:
     from engine.llm import LLM
 
-    path = tiny_model_dir("qwen2")
+    path = tiny_model_dir(arch)
     prompts = tiny_prompts()[:6]
     expected = hf_greedy(path, prompts, NEW_TOKENS)
     llm = LLM(model=str(path), attention_backend="triton", num_threads=1, **MODES[mode])
