@@ -48,6 +48,7 @@ class StoreConnectorOptions:
     layerwise_max_tokens: int = 0  # "auto": layer-wise up to this many tokens
     lookup_wait_s: float = 0.05  # the longest a step waits for a lookup before asking again later
     lease_wait_s: float = 1.0  # the longest a step waits for a lease (the control calls' timeout)
+    block_size: int = 16  # the engine's (a load skips the null blocks a sliding window leaves)
 
 
 @dataclass
@@ -159,6 +160,11 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         if spec is None or num_external_tokens == 0:
             return
         spec.block_ids = list(block_ids)
+        # A windowed model's leading blocks may be null (never allocated, engine/core): the
+        # window of the first token computed here does not reach them, so nothing loads there.
+        skipped = next((i for i, b in enumerate(block_ids) if b != 0), len(block_ids))
+        if skipped:
+            spec.start = min(spec.end, max(spec.start, skipped * self.options.block_size))
         self._loads_to_start.append(spec)
         tracked.loading = spec
         # what this step computes rests on a layer-wise load: save it only if the load held

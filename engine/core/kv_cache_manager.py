@@ -117,19 +117,28 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: list[KVCacheBlock] | None = None,
         cache: bool = True,
+        num_external_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Blocks for `num_new_tokens` more tokens after the computed ones; None if they do not
         fit (nothing is changed then). `new_computed_blocks` are prefix-cache hits covering
         `num_new_computed_tokens` tokens, taken over by the request. `cache=False` leaves the
         new blocks out of the prefix cache (KV still arriving from a connector); `cache_blocks`
-        records them once their content is there."""
+        records them once their content is there. The first `num_external_tokens` of the new
+        tokens arrive from a connector: with a sliding window, the blocks wholly before the
+        window of the first token computed here are never allocated (null blocks), so a
+        connector loads only what that window needs."""
         computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         if req_blocks and self.sliding_window is not None:
             self._free_skipped_blocks(req_blocks, num_computed)
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new_blocks = num_required - len(req_blocks) - len(computed_blocks)
+        num_skipped = 0  # leading new blocks that stay null (before the window)
+        if num_external_tokens and self.sliding_window is not None:
+            first_useful = max(0, num_computed + num_external_tokens - self.sliding_window + 1
+                               ) // self.block_size
+            num_skipped = max(0, first_useful - len(req_blocks) - len(computed_blocks))
+        num_new_blocks = num_required - len(req_blocks) - len(computed_blocks) - num_skipped
         # Hits that are free right now leave the free queue when taken.
         num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
@@ -138,6 +147,7 @@ class KVCacheManager:
             return None
         self.block_pool.touch(computed_blocks)
         req_blocks.extend(computed_blocks)
+        req_blocks.extend([self.block_pool.null_block] * num_skipped)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
         if self.enable_caching and cache:
@@ -161,6 +171,10 @@ class KVCacheManager:
             skipped.append(blocks[i])
             blocks[i] = self.block_pool.null_block
         self.block_pool.free_blocks(skipped)
+
+    def has_null_blocks(self, request_id: str) -> bool:
+        """Whether some of the request's blocks were freed or never allocated (a window)."""
+        return any(b.is_null for b in self.req_to_blocks.get(request_id, []))
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds (the null blocks standing in for freed ones not counted)."""

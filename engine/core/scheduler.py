@@ -248,7 +248,7 @@ class Scheduler(KVLoads, GrammarWaits):
                     break
                 if load_async and num_external > 0:
                     if self.kv.allocate_slots(request, num_external, num_hit_tokens, hits,
-                                              cache=False) is None:
+                                              cache=False, num_external_tokens=num_external) is None:
                         if self._drop_loaded(request):
                             continue
                         break
@@ -268,7 +268,7 @@ class Scheduler(KVLoads, GrammarWaits):
                     if self._sjf_holds_back(num_scheduled, n, request.num_tokens - loaded):
                         break
                     if self.kv.allocate_slots(request, num_external + n, num_hit_tokens, hits,
-                                              cache=False) is None:
+                                              cache=False, num_external_tokens=num_external) is None:
                         if self._drop_loaded(request):
                             continue
                         break

@@ -109,9 +109,19 @@ class KVLoads:
             if error is not None and self.load_failure_policy == "fail":
                 self._fail(request, f"kv_load_failed: {error}")
                 continue
-            loaded_end = min(request.num_tokens - 1, self._load_end.pop(req_id, 0))
+            planned = min(request.num_tokens - 1, self._load_end.pop(req_id, 0))
+            loaded_end = planned
             if req_id in output.valid_loaded_tokens:
                 loaded_end = min(loaded_end, output.valid_loaded_tokens[req_id])
+            if loaded_end < planned and self.kv.has_null_blocks(request.request_id):
+                # A windowed load cut short: the tokens to compute now would see positions in
+                # the blocks the window let it skip (never allocated): start again, locally.
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                self._no_external.add(req_id)
+                request.status = RequestStatus.WAITING
+                self.waiting.prepend(request)
+                continue
             request.num_computed_tokens = max(request.num_computed_tokens, loaded_end)
             request.times.num_cached_tokens = request.num_computed_tokens
             self.kv.cache_blocks(request, request.num_computed_tokens)

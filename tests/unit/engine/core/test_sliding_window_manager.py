@@ -60,3 +60,25 @@ def test_without_a_window_nothing_is_freed() -> None:
         request.append_output_token_ids([7])
         _step(kv, request, 1)
     assert kv.num_held_blocks("a") == 6 and 0 not in kv.get_block_ids("a")
+
+
+def test_a_load_from_a_connector_never_allocates_what_the_window_does_not_reach() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK, sliding_window=6)
+    request = _request("a", 30)
+    # 29 tokens arrive from a connector: the first token computed here (29) sees 24..29
+    new = kv.allocate_slots(request, 29, cache=False, num_external_tokens=29)
+    assert new is not None and len(new) == 2  # blocks 6 and 7 (positions 24..31); 0..5 null
+    assert kv.get_block_ids("a")[:6] == [0] * 6 and kv.has_null_blocks("a")
+    request.num_computed_tokens = 29
+    kv.cache_blocks(request, 29)  # the loaded blocks' hashes: never the null ones
+    assert kv.num_prefix_cached_blocks == 1  # block 6 (24..27); block 7 is not full
+    assert kv.allocate_slots(request, 1) is not None
+    kv.free(request)
+    assert kv.num_free_blocks == 31
+
+
+def test_without_a_window_a_load_allocates_every_block() -> None:
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK)
+    request = _request("a", 30)
+    assert len(kv.allocate_slots(request, 29, cache=False, num_external_tokens=29) or []) == 8
+    assert not kv.has_null_blocks("a")
