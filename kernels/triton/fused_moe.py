@@ -29,6 +29,7 @@ from kernels.triton._checks import (
     interpreter_enabled,
     require_cuda_or_interpreter,
 )
+from kernels.triton.tl_math import dot
 
 _ACTIVATION_CODES = {"silu": 0, "gelu_tanh": 1}
 
@@ -172,10 +173,10 @@ def _moe_gemm_kernel(
         k_ok = offs_k < K - k0
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = _dot(a, w, acc, IEEE, UPCAST)
+        acc = dot(a, w, acc, IEEE, UPCAST)
         if GATED:
             w_up = tl.load(w_ptrs + up_offset, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc_up = _dot(a, w_up, acc_up, IEEE, UPCAST)
+            acc_up = dot(a, w_up, acc_up, IEEE, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if GATED:
@@ -190,16 +191,3 @@ def _moe_gemm_kernel(
         acc = acc * routing[:, None]
     c_ptrs = c_ptr + pair.to(tl.int64)[:, None] * stride_c_row + offs_n[None, :]
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b in fp32. IEEE: exact fp32 products (no TF32). UPCAST: interpreter only, whose
-    tl.dot multiplies bfloat16 bit patterns as integers (triton 3.9), so multiply in fp32."""
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    elif UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        return tl.dot(a, b, acc)
-

@@ -49,6 +49,7 @@ from kernels.triton._checks import (
     require_cuda_or_interpreter,
 )
 from kernels.triton.paged_decode import check_window_and_cap, tanh
+from kernels.triton.tl_math import dot
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -278,10 +279,10 @@ def _attend_tile(
         k = tl.load(kv_base + slot[None, :] + offs_d[:, None])  # [HEAD_DIM, BLOCK_N]
         v = tl.load(kv_base + stride_kv_kind + slot[:, None] + offs_d[None, :])  # [BLOCK_N, HEAD_DIM]
     if SOFTCAP:
-        qk = _dot(q, k, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), IEEE, UPCAST)
+        qk = dot(q, k, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), IEEE, UPCAST)
         qk = tanh(qk * qk_scale) * cap_scale  # cap * tanh(scores / cap) * log2(e)
     else:
-        qk = _dot(q, k, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), IEEE, UPCAST) * qk_scale
+        qk = dot(q, k, tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), IEEE, UPCAST) * qk_scale
     if MASK:
         if WINDOW:
             seen = (offs_n[None, :] <= q_pos[:, None]) & (offs_n[None, :] > q_pos[:, None] - window)
@@ -298,20 +299,10 @@ def _attend_tile(
         p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    acc = _dot(p.to(v.dtype), v, acc, IEEE, UPCAST)
+    acc = dot(p.to(v.dtype), v, acc, IEEE, UPCAST)
     return acc, l_i, m_new
 
 
-@triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + a @ b in fp32. IEEE: exact fp32 products (no TF32). UPCAST: interpreter only, whose
-    tl.dot multiplies bfloat16 bit patterns as integers (triton 3.9), so multiply in fp32."""
-    if IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    elif UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        return tl.dot(a, b, acc)
 
 
 def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

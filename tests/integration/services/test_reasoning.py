@@ -13,6 +13,7 @@ prompt that opened the think block, the reply's reasoning needs no start tag. No
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, Iterator
 from typing import Any, ClassVar
 
@@ -90,16 +91,11 @@ def routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
     configs = {"qwen3": config(reasoning_parser="qwen3", tool_call_parser="hermes",
                                enable_auto_tool_choice=True),
                "deepseek_r1": config(reasoning_parser="deepseek_r1"), "off": config()}
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(router_app, "Dispatcher", ScriptedDispatcher)
-        served = {name: ServedRouter(c) for name, c in configs.items()}
-        for r in served.values():
-            r.__enter__()
-    try:
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(router_app, "Dispatcher", ScriptedDispatcher)
+            served = {name: stack.enter_context(ServedRouter(c)) for name, c in configs.items()}
         yield served
-    finally:
-        for r in served.values():
-            r.__exit__(None, None, None)
 
 
 Reply = tuple[str | None, str | None, list[tuple[str, str]], str]  # reasoning, content, calls, finish
