@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 
 class CausalLM(Protocol):
-    """What the runner needs from a model (engine.model.llama.LlamaForCausalLM)."""
+    """What the runner needs from a model (engine.model.causal_lm.CausalLM)."""
 
     @property
     def num_layers(self) -> int: ...
