@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
+from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import (
     CachedRequestData,
@@ -33,7 +34,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import ShortestFirstQueue, make_queue, tokens_left
 from engine.core.request_stats import SchedulerCounters
 from engine.core.scheduler_fsm import GrammarWaits
-from engine.core.scheduler_kv import KVLoads
+from engine.core.scheduler_kv import KVLoads, WaitingStep
 from engine.core.stop_check import check_stop
 
 if TYPE_CHECKING:
@@ -218,87 +219,61 @@ class Scheduler(KVLoads, GrammarWaits):
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
                           new_blocks: dict[str, list[int]], resumed: set[str], now: float) -> int:
+        """Starts waiting requests in queue order while budget, sequences and blocks last."""
         while (len(self.waiting) > 0 and budget > 0
                and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
             request = self.waiting.peek()
+            step = WaitingStep(budget, num_scheduled, new_blocks, resumed, now)
             if request.request_id in self._kv_loaded:  # its blocks and loaded KV are in place
-                n = self._num_new_tokens(request, budget)
-                if self._sjf_holds_back(num_scheduled, n, tokens_left(request)):
-                    break
-                if self.kv.allocate_slots(request, n) is None:
-                    if self._drop_loaded(request):
-                        continue
-                    break
-                self._kv_loaded.discard(request.request_id)
-                request.times.first_scheduled_time = request.times.first_scheduled_time or now
-                budget -= self._start_running(request, n, num_scheduled, new_blocks)
-                continue
-            # prompt_logprobs need every prompt position computed here (as vLLM: no cache hits)
-            computes_all = request.sampling_params.prompt_logprobs is not None
-            hits, num_hit_tokens = ([], 0) if computes_all else self.kv.get_computed_blocks(request)
-            if (self.connector is not None and request.status == RequestStatus.WAITING
-                    and request.request_id not in self._no_external and not computes_all):
-                try:
-                    num_external, load_async = self.connector.get_num_new_matched_tokens(
-                        request, num_hit_tokens)
-                except Exception as e:  # bad request data: that request fails, the engine goes on
-                    self._fail(request, f"kv connector: {e!r}")
-                    continue
-                if num_external is None:
-                    break
-                if load_async and num_external > 0:
-                    if self.kv.allocate_slots(request, num_external, num_hit_tokens, hits,
-                                              cache=False, num_external_tokens=num_external) is None:
-                        if self._drop_loaded(request):
-                            continue
-                        break
-                    self.waiting.pop()
-                    self.kv.record_lookup(request, num_hit_tokens)
-                    self._load_end[request.request_id] = num_hit_tokens + num_external
-                    request.num_computed_tokens = num_hit_tokens
-                    request.times.num_cached_tokens = num_hit_tokens
-                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    self.waiting_for_kv[request.request_id] = request
-                    self._after_alloc(request, num_external)
-                    continue
-                if num_external > 0:
-                    # Layer-wise load inside this step: the runner computes only the rest.
-                    loaded = num_hit_tokens + num_external
-                    n = self._num_new_tokens(request, budget, loaded)
-                    if self._sjf_holds_back(num_scheduled, n, request.num_tokens - loaded):
-                        break
-                    if self.kv.allocate_slots(request, num_external + n, num_hit_tokens, hits,
-                                              cache=False, num_external_tokens=num_external) is None:
-                        if self._drop_loaded(request):
-                            continue
-                        break
-                    if not self._after_alloc(request, num_external):
-                        continue
-                    self.kv.record_lookup(request, num_hit_tokens)
-                    request.times.first_scheduled_time = now
-                    request.times.num_cached_tokens = loaded
-                    request.num_computed_tokens = loaded
-                    self._loading_in_step.add(request.request_id)
-                    budget -= self._start_running(request, n, num_scheduled, new_blocks)
-                    continue
-            n = self._num_new_tokens(request, budget, num_hit_tokens)
-            if self._sjf_holds_back(num_scheduled, n, request.num_tokens - num_hit_tokens):
-                break
-            if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
-                if self._drop_loaded(request):
-                    continue
-                break
-            if request.status == RequestStatus.PREEMPTED:
-                resumed.add(request.request_id)
-                if request.num_new_output_tokens == 0:  # its prompt is computed now (a rolled-back load)
-                    request.times.num_cached_tokens = num_hit_tokens
+                used = self._start_loaded(request, step)
             else:
-                request.times.first_scheduled_time = now
-                request.times.num_cached_tokens = num_hit_tokens
-            self.kv.record_lookup(request, num_hit_tokens)
-            request.num_computed_tokens = num_hit_tokens
-            budget -= self._start_running(request, n, num_scheduled, new_blocks)
+                used = self._start_waiting(request, step)
+            if used is None:  # the queue's head waits: so does everything behind it
+                break
+            budget -= used
         return budget
+
+    # Each _start_* takes the queue's head and returns the budget it used (0: it left the queue
+    # without computing this step, or failed), or None when it must wait (no blocks, sjf, ...).
+    def _start_waiting(self, request: Request, step: WaitingStep) -> int | None:
+        """A new (or preempted) request: prefix-cache hits, then the connector's offer, then
+        what is left to compute."""
+        # prompt_logprobs need every prompt position computed here (as vLLM: no cache hits)
+        computes_all = request.sampling_params.prompt_logprobs is not None
+        hits, num_hit_tokens = ([], 0) if computes_all else self.kv.get_computed_blocks(request)
+        if (self.connector is not None and request.status == RequestStatus.WAITING
+                and request.request_id not in self._no_external and not computes_all):
+            try:
+                num_external, load_async = self.connector.get_num_new_matched_tokens(
+                    request, num_hit_tokens)
+            except Exception as e:  # bad request data: that request fails, the engine goes on
+                self._fail(request, f"kv connector: {e!r}")
+                return 0
+            if num_external is None:  # the store has not answered yet
+                return None
+            if num_external > 0:
+                return self._start_loading(request, hits, num_hit_tokens, num_external, load_async,
+                                           step)
+        return self._start_computing(request, hits, num_hit_tokens, step)
+
+    def _start_computing(self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int,
+                         step: WaitingStep) -> int | None:
+        """Everything after the prefix-cache hits is computed here."""
+        n = self._num_new_tokens(request, step.budget, num_hit_tokens)
+        if self._sjf_holds_back(step.num_scheduled, n, request.num_tokens - num_hit_tokens):
+            return None
+        if self.kv.allocate_slots(request, n, num_hit_tokens, hits) is None:
+            return 0 if self._drop_loaded(request) else None
+        if request.status == RequestStatus.PREEMPTED:
+            step.resumed.add(request.request_id)
+            if request.num_new_output_tokens == 0:  # its prompt is computed now (a rolled-back load)
+                request.times.num_cached_tokens = num_hit_tokens
+        else:
+            request.times.first_scheduled_time = step.now
+            request.times.num_cached_tokens = num_hit_tokens
+        self.kv.record_lookup(request, num_hit_tokens)
+        request.num_computed_tokens = num_hit_tokens
+        return self._start_running(request, n, step.num_scheduled, step.new_blocks)
 
     def _start_running(self, request: Request, n: int, num_scheduled: dict[str, int],
                        new_blocks: dict[str, list[int]]) -> int:

@@ -13,18 +13,31 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import EngineCoreOutput
 from engine.core.request import Request, RequestStatus
-from engine.core.request_queue import RequestQueue
+from engine.core.request_queue import RequestQueue, tokens_left
 from engine.core.request_stats import SchedulerCounters
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorOutput, KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WaitingStep:
+    """What one step's scheduling of the waiting queue carries from request to request."""
+
+    budget: int
+    num_scheduled: dict[str, int]
+    new_blocks: dict[str, list[int]]
+    resumed: set[str]
+    now: float
 
 
 class KVLoads:
@@ -49,6 +62,60 @@ class KVLoads:
         self._rollback: set[str] = set()
         self._no_external: set[str] = set()
         self._load_end: dict[str, int] = {}
+
+    # The Scheduler's own (engine/core/scheduler.py)
+    def _num_new_tokens(self, request: Request, budget: int, computed: int | None = None) -> int:
+        raise NotImplementedError
+
+    def _sjf_holds_back(self, num_scheduled: dict[str, int], n: int, left: int) -> bool:
+        raise NotImplementedError
+
+    def _start_running(self, request: Request, n: int, num_scheduled: dict[str, int],
+                       new_blocks: dict[str, list[int]]) -> int:
+        raise NotImplementedError
+
+
+    def _start_loaded(self, request: Request, step: WaitingStep) -> int | None:
+        """A request whose asynchronous KV load finished: it computes the rest."""
+        n = self._num_new_tokens(request, step.budget)
+        if self._sjf_holds_back(step.num_scheduled, n, tokens_left(request)):
+            return None
+        if self.kv.allocate_slots(request, n) is None:
+            return 0 if self._drop_loaded(request) else None
+        self._kv_loaded.discard(request.request_id)
+        request.times.first_scheduled_time = request.times.first_scheduled_time or step.now
+        return self._start_running(request, n, step.num_scheduled, step.new_blocks)
+
+    def _start_loading(self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int,
+                       num_external: int, load_async: bool, step: WaitingStep) -> int | None:
+        """`num_external` tokens after the hits come from the connector: asynchronously (the
+        request waits for them out of the step) or layer-wise (inside this step, which computes
+        the rest)."""
+        loaded = num_hit_tokens + num_external
+        n = 0 if load_async else self._num_new_tokens(request, step.budget, loaded)
+        if not load_async and self._sjf_holds_back(step.num_scheduled, n, request.num_tokens - loaded):
+            return None
+        if self.kv.allocate_slots(request, num_external + n, num_hit_tokens, hits, cache=False,
+                                  num_external_tokens=num_external) is None:
+            return 0 if self._drop_loaded(request) else None
+        if load_async:
+            self.waiting.pop()
+            self.kv.record_lookup(request, num_hit_tokens)
+            self._load_end[request.request_id] = loaded
+            request.num_computed_tokens = num_hit_tokens
+            request.times.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.waiting_for_kv[request.request_id] = request
+            self._after_alloc(request, num_external)
+            return 0
+        if not self._after_alloc(request, num_external):
+            return 0
+        self.kv.record_lookup(request, num_hit_tokens)
+        request.times.first_scheduled_time = step.now
+        request.times.num_cached_tokens = loaded
+        request.num_computed_tokens = loaded
+        self._loading_in_step.add(request.request_id)
+        return self._start_running(request, n, step.num_scheduled, step.new_blocks)
 
     def _after_alloc(self, request: Request, num_external: int) -> bool:
         """Tells the connector where the request's external tokens go. A failure there (bad
