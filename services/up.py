@@ -108,6 +108,9 @@ def add_up_parser(subparsers: Any) -> None:
                    help="router: the chat template (default: hermes_tools, shipped with pdserve, for the "
                         "default model; the tokenizer's own for any other; '' = the tokenizer's own); "
                         "tool calls are parsed with the hermes parser, tool_choice \"auto\" enabled")
+    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="router: how tool calls are found in replies (vLLM's names); default: the "
+                        "model family's (llama3_json for Llama, mistral for Mistral/Mixtral, else hermes)")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="router: split chat replies' <think>...</think> into reasoning (vLLM's flag; "
                         "qwen3 for Qwen3 models, deepseek_r1 for DeepSeek-R1 and QwQ); default: off")
@@ -263,7 +266,7 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
         router += ["--api-key-file", args.api_key_file]
     if args.tenant_cache_salt:
         router += ["--tenant-cache-salt"]
-    router += _tool_args(args)
+    router += _tool_args(args, folder)
     # Keys go by environment, not argv (ps shows argv); the router holds no store credential.
     if args.api_key and args.api_key != os.environ.get("PDSERVE_API_KEY"):
         print("pdserve up: warning: --api-key on the command line is visible to other users of this "
@@ -281,17 +284,37 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
     return specs, router_spec
 
 
-def _tool_args(args: argparse.Namespace) -> list[str]:
+def _tool_args(args: argparse.Namespace, folder: str) -> list[str]:
     """Tools work out of the box: the default model's own template has none, so it gets pdserve's
-    (which renders plain chats exactly as the model's does); calls are found by the hermes parser.
-    --reasoning-parser goes through as given (off by default, as vLLM's)."""
+    (which renders plain chats exactly as the model's does); calls are found by the parser of the
+    model's family (--tool-call-parser, else `default_tool_parser`). --reasoning-parser goes
+    through as given (off by default, as vLLM's)."""
     template = args.chat_template
     if template is None and is_default_model(args.model):
         template = "hermes_tools"
     out = ["--chat-template", template] if template else []
     reasoning = getattr(args, "reasoning_parser", None)
     out += ["--reasoning-parser", reasoning] if reasoning else []
-    return [*out, "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    parser = getattr(args, "tool_call_parser", None) or default_tool_parser(args.model, folder)
+    return [*out, "--tool-call-parser", parser, "--enable-auto-tool-choice"]
+
+
+def default_tool_parser(model: str, folder: str) -> str:
+    """The tool-call format of the model's family, as vLLM's docs pair them: Llama 3.x writes
+    bare JSON (llama3_json), Mistral and Mixtral `[TOOL_CALLS][...]` (mistral), Qwen and the
+    default model (pdserve's template) Hermes tags."""
+    import json
+
+    if is_default_model(model):
+        return "hermes"
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "hermes"
+    arch = " ".join(config.get("architectures") or [])
+    if "Mistral" in arch or "Mixtral" in arch:
+        return "mistral"
+    return "llama3_json" if "Llama" in arch else "hermes"
 
 
 def _worker_spec(args: argparse.Namespace, name: str, role: str, port: int, extra: list[str],

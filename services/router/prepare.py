@@ -137,7 +137,8 @@ def prepare_chat(gen: Generator, raw: bytes, large: bool) -> Prepared:
     check_model(gen, body.model)
     log_ignored("chat.completions", body.model_extra)
     tools = tool_plan(body, config.auto_tools,
-                      lambda spec: gen.backends.choose(spec, config.structured_outputs_backend))
+                      lambda spec: gen.backends.choose(spec, config.structured_outputs_backend),
+                      config.tool_call_parser or "hermes")
     template = replace(template_options(body, body.messages, gen.tokenizer), tools=tools.template_tools)
     keep = gen.truncation(body.truncate_prompt_tokens, body.token_limit)
     ids = gen.tokenize([m.as_template_dict() for m in body.messages], "messages", template, keep)
@@ -151,7 +152,10 @@ def prepare_chat(gen: Generator, raw: bytes, large: bool) -> Prepared:
                   body.include_usage, body.continuous_usage, role=reply_role(body, body.messages),
                   echo=echo_text(body, body.messages, body.echo), prompt_logprobs=body.prompt_logprobs,
                   tools=replace(tools, template_tools=()) if tools.parses else None, reasoning=reasoning)
-    return Prepared(reply, [ids], _options(body, params), body.stream)
+    options = _options(body, params)
+    if tools.keeps_special_tokens:  # the parser's tag is a special token (as vLLM's mistral parser)
+        options = replace(options, skip_special_tokens=False)
+    return Prepared(reply, [ids], options, body.stream)
 
 
 def _echo_texts(gen: Generator, body: CompletionRequest, prompts: list[list[int]]) -> tuple[str, ...]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.select import choose_backend
+from services.router.api.json_tool_parsers import Llama3JsonParser, MistralParser
 from services.router.api.openai_models import ChatCompletionRequest
 from services.router.api.tool_fields import NamedToolChoice, Tool
 from services.router.api.tool_parser import (
@@ -39,7 +40,9 @@ from services.router.api.tool_parser import (
 )
 from services.router.errors import OpenAIError
 
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# Parsers whose tags are special tokens: requests parsed by them keep special tokens in the text.
+SPECIAL_TOKEN_PARSERS = ("mistral",)
 Choose = Callable[[StructuredOutputsParams], StructuredOutputsParams]
 TEMPLATES = Path(__file__).parents[1] / "templates"  # the chat templates pdserve ships, by name
 _NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -68,6 +71,7 @@ class ToolPlan:
     template_tools: tuple[dict[str, Any], ...] = ()  # the chat template's `tools`
     constraint: StructuredOutputsParams | None = None  # the output's grammar
     parallel: bool = True  # false: only the first call is returned
+    parser_name: str = "hermes"  # --tool-call-parser: how "auto" finds calls in free text
 
     @property
     def parses(self) -> bool:
@@ -78,7 +82,16 @@ class ToolPlan:
         if self.choice == "named":
             assert self.name is not None
             return NamedParser(self.name)
-        return RequiredParser() if self.choice == "required" else HermesParser()
+        if self.choice == "required":
+            return RequiredParser()
+        if self.parser_name == "llama3_json":
+            return Llama3JsonParser()
+        return MistralParser() if self.parser_name == "mistral" else HermesParser()
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the text this plan parses must keep special tokens (the parser's tags)."""
+        return self.choice == "auto" and self.parser_name in SPECIAL_TOKEN_PARSERS
 
     def finish_reason(self, engine_reason: str | None, called: bool) -> str | None:
         """OpenAI's: "tool_calls" when "auto" or "required" calls ended the sample, the sample's
@@ -87,7 +100,8 @@ class ToolPlan:
             else engine_reason
 
 
-def tool_plan(body: ChatCompletionRequest, auto_tools: bool, choose: Choose | None = None) -> ToolPlan:
+def tool_plan(body: ChatCompletionRequest, auto_tools: bool, choose: Choose | None = None,
+              parser_name: str = "hermes") -> ToolPlan:
     """The request's ToolPlan, or a 400 naming the field; `auto_tools`: the router parses calls
     out of free text (--enable-auto-tool-choice with a --tool-call-parser); `choose` gives a
     spec its backend or raises a 400 naming the spec's source (the router's BackendChoices,
@@ -103,7 +117,7 @@ def tool_plan(body: ChatCompletionRequest, auto_tools: bool, choose: Choose | No
     parallel = body.parallel_tool_calls is not False
     if not tools or choice in ("none", "auto"):
         return ToolPlan("auto" if tools and choice == "auto" else "none", None, template_tools,
-                        None, parallel)
+                        None, parallel, parser_name)
     schema = _named_schema(tools, named) if named else _required_schema(tools, parallel)
     # No free whitespace between JSON tokens (the separators json.dumps writes): arguments are read
     # by programs, and a weak model given free whitespace can spend every token on newlines.

@@ -8,7 +8,8 @@ Non-streamed and streamed replies agree: `<think>...</think>` is the message's `
 `chat_template_kwargs: {"enable_thinking": false}` reaches the template, and a reply without
 tags is all content; `include_reasoning: false` drops the reasoning; with deepseek_r1 and a
 prompt that opened the think block, the reply's reasoning needs no start tag. No
---reasoning-parser: the text is content, tags and all.
+--reasoning-parser: the text is content, tags and all. The llama3_json and mistral tool-call
+formats go through the same path.
 """
 
 from __future__ import annotations
@@ -90,7 +91,10 @@ def routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
 
     configs = {"qwen3": config(reasoning_parser="qwen3", tool_call_parser="hermes",
                                enable_auto_tool_choice=True),
-               "deepseek_r1": config(reasoning_parser="deepseek_r1"), "off": config()}
+               "deepseek_r1": config(reasoning_parser="deepseek_r1"), "off": config(),
+               # the other tool-call formats (no reasoning parser)
+               "llama3_json": config(tool_call_parser="llama3_json", enable_auto_tool_choice=True),
+               "mistral": config(tool_call_parser="mistral", enable_auto_tool_choice=True)}
     with contextlib.ExitStack() as stack:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(router_app, "Dispatcher", ScriptedDispatcher)
@@ -148,6 +152,11 @@ CASES: list[tuple[str, str, dict[str, Any], Reply]] = [
     ("deepseek_r1", "Plain answer.", {"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}},
      (None, "Plain answer.", [], "stop")),
     ("off", "<think>x</think>y", {}, (None, "<think>x</think>y", [], "stop")),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', {"tools": TOOLS},
+     (None, None, [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    ("llama3_json", "It is sunny in Paris.", {"tools": TOOLS}, (None, "It is sunny in Paris.", [], "stop")),
+    ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     {"tools": TOOLS}, (None, "Checking.", [("get_weather", '{"city": "Paris"}')], "tool_calls")),
 ]
 
 

@@ -286,9 +286,10 @@ def test_the_router_flags() -> None:
     for name in REASONING_PARSERS:
         assert parser.parse_args([*router, "--reasoning-parser", name]).reasoning_parser == name
         up = parser.parse_args(["up", "--reasoning-parser", name])
-        assert _tool_args(up)[-5:] == ["--reasoning-parser", name, "--tool-call-parser", "hermes",
-                                       "--enable-auto-tool-choice"]
+        assert _tool_args(up, "/nowhere")[-5:] == ["--reasoning-parser", name, "--tool-call-parser",
+                                                   "hermes", "--enable-auto-tool-choice"]
     assert parser.parse_args(router).reasoning_parser is None
-    assert "--reasoning-parser" not in _tool_args(argparse.Namespace(model="x", chat_template=None))
+    assert "--reasoning-parser" not in _tool_args(argparse.Namespace(model="x", chat_template=None),
+                                                  "/nowhere")
     with pytest.raises(SystemExit):
         parser.parse_args([*router, "--reasoning-parser", "granite"])

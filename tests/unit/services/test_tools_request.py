@@ -147,7 +147,7 @@ def test_router_flags_are_checked_as_vllm_checks_them(tmp_path: Any) -> None:
     with pytest.raises(ValueError, match="needs a tool_call_parser"):
         RouterConfig(**base, enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="tool_call_parser"):
-        RouterConfig(**base, tool_call_parser="mistral")
+        RouterConfig(**base, tool_call_parser="pythonic")  # not one of ours
     with pytest.raises(ValueError, match="hermes_tools"):  # the message lists the shipped ones
         RouterConfig(**base, chat_template=str(tmp_path / "missing.jinja"))
     own = tmp_path / "t.jinja"
@@ -166,4 +166,6 @@ def test_up_starts_the_router_with_tools_on(model: str, template: str | None, ex
     from services.up import _tool_args
 
     args = argparse.Namespace(model=model, chat_template=template)
-    assert _tool_args(args) == [*expected, "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    # a folder without config.json (or a Qwen one): Hermes, the format of the default's template
+    assert _tool_args(args, model) == [*expected, "--tool-call-parser", "hermes",
+                                       "--enable-auto-tool-choice"]
