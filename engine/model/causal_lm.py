@@ -21,6 +21,7 @@ from engine.model.arch import ArchOptions
 from engine.model.layers import DecoderLayer, RMSNorm
 from engine.model.linear import linear
 from engine.model.mlp import param
+from engine.model.models import options_for
 from engine.model.rope import RotaryEmbedding
 from engine.model.weights import map_name
 
@@ -33,8 +34,6 @@ class CausalLM(nn.Module):
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend,
                  dtype: torch.dtype = torch.float32, opts: ArchOptions | None = None) -> None:
         super().__init__()
-        from engine.model.models import options_for
-
         self.config = hf_config
         self.opts = opts = opts or options_for(hf_config)
         self.dtype = dtype
