@@ -34,7 +34,10 @@ class AsyncLLM:
             AsyncMPClient(config) if multiprocess else InprocClient(config))
         self.config = self.engine_core.config
         self.tokenizer = load_tokenizer(resolve_model_path(self.config.tokenizer or self.config.model))
-        self.processor = Processor(self.config, self.tokenizer, self.engine_core.vocab_size)
+        from engine.model.loader import model_eos_token_ids
+
+        self.processor = Processor(self.config, self.tokenizer, self.engine_core.vocab_size,
+                                   model_eos_token_ids(resolve_model_path(self.config.model)))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._output_handler: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()

@@ -7,12 +7,10 @@ its own behind ZMQ (engine/core_proc.py).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,7 +42,12 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         from engine.attention.selector import backend_for_device
-        from engine.model.loader import load_model, model_max_len, resolve_model_path
+        from engine.model.loader import (
+            load_model,
+            model_eos_token_ids,
+            model_max_len,
+            resolve_model_path,
+        )
         from engine.runner import ModelRunner
 
         if config.num_threads is not None:
@@ -66,8 +69,8 @@ class EngineCore:
         self.config = config
         self.model_path = path
         self.vocab_size: int = model.vocab_size
-        # Gemma's <end_of_turn>, Llama 3's <|eot_id|>: end-of-sequence ids after the first
-        self.extra_eos_ids = _eos_token_ids(hf_config, path)[1:]
+        # Every eos id of the model (Gemma's <end_of_turn>, Llama 3's <|eot_id|>, ...)
+        self.eos_token_ids = model_eos_token_ids(path)
         self.num_blocks = num_blocks
         self.runner = ModelRunner(
             model, config.block_size, num_blocks, config.max_num_seqs, config.model_len,
@@ -99,9 +102,11 @@ class EngineCore:
         """Queues a request; raises ValueError naming the field when it cannot be served."""
         self._validate(request)
         params = request.sampling_params
-        if self.extra_eos_ids and not params.ignore_eos:  # as vLLM: they stop like stop ids
-            stops = list(dict.fromkeys([*params.stop_token_ids, *self.extra_eos_ids]))
-            request = replace(request, sampling_params=replace(params, stop_token_ids=stops))
+        extra = [t for t in self.eos_token_ids if t != request.eos_token_id]
+        if extra and not params.ignore_eos:  # as vLLM: the other eos ids stop like stop ids
+            stops = list(dict.fromkeys([*params.stop_token_ids, *extra]))
+            if stops != params.stop_token_ids:
+                request = replace(request, sampling_params=replace(params, stop_token_ids=stops))
         core_request = Request.from_engine_core_request(request)
         if request.sampling_params.structured_outputs is not None:
             core_request.grammar = self.structured.start(request.sampling_params.structured_outputs)
@@ -267,7 +272,7 @@ def _freeing_window(model: Any, config: EngineConfig) -> int | None:
     windows when every layer has one (Mistral; not hybrid Gemma, whose global layers need every
     block), and only where no connector saves the prompt's KV (a producer saves each chunk from
     its blocks once computed, which may be after later chunks were scheduled; a consumer loads
-    the whole prompt, then frees as it decodes)."""
+    only what its first computed token's window reaches, then frees as it decodes)."""
     windows = tuple(getattr(model, "sliding_windows", ()) or ())
     if not windows or any(w is None for w in windows):
         return None
@@ -299,25 +304,6 @@ def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int,
             f"the KV cache ({num_blocks - 1} usable blocks of {config.block_size} tokens) cannot "
             f"hold one request of max_model_len={config.model_len} ({needed} blocks): raise "
             f"kv_cache_gib / num_kv_blocks or lower max_model_len")
-
-
-def _eos_token_ids(hf_config: object, model_path: Path) -> list[int]:
-    """Every end-of-sequence id of the model: its config's, then its generation config's (a
-    list in both for chat models: Gemma 3's [<eos>, <end_of_turn>])."""
-    ids: list[int] = []
-    for source in (getattr(hf_config, "eos_token_id", None), _generation_eos(model_path)):
-        for eos in source if isinstance(source, list) else [source]:
-            if isinstance(eos, int) and eos not in ids:
-                ids.append(eos)
-    return ids
-
-
-def _generation_eos(model_path: Path) -> object:
-    file = Path(model_path) / "generation_config.json"
-    try:
-        return json.loads(file.read_text()).get("eos_token_id") if file.is_file() else None
-    except (OSError, ValueError, AttributeError):
-        return None
 
 
 def _eos_token_id(hf_config: object) -> int | None:

@@ -40,7 +40,10 @@ class LLM:
         tokenizer_path = (resolve_model_path(self.config.tokenizer) if self.config.tokenizer
                           else self.client.engine_core.model_path)
         self.tokenizer = load_tokenizer(tokenizer_path)
-        self.processor = Processor(self.config, self.tokenizer, self.client.vocab_size)
+        from engine.model.loader import model_eos_token_ids
+
+        self.processor = Processor(self.config, self.tokenizer, self.client.vocab_size,
+                                   model_eos_token_ids(self.client.engine_core.model_path))
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -29,12 +29,15 @@ class Processor:
     Every error is a ValueError naming the problem, raised before anything reaches the core.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any, vocab_size: int | None = None,
+                 model_eos_token_ids: list[int] | None = None) -> None:
         self.config = config
         self.max_model_len = config.model_len
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size if vocab_size is not None else len(tokenizer)
         self.eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
+        # the model's other eos ids: the engine core stops on them like stop ids (as vLLM)
+        self.extra_eos_token_ids = [t for t in model_eos_token_ids or [] if t != self.eos_token_id]
 
     def process(
         self,

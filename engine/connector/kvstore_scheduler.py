@@ -162,7 +162,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         spec.block_ids = list(block_ids)
         # A windowed model's leading blocks may be null (never allocated, engine/core): the
         # window of the first token computed here does not reach them, so nothing loads there.
-        skipped = next((i for i, b in enumerate(block_ids) if b != 0), len(block_ids))
+        skipped = max((i + 1 for i, b in enumerate(block_ids) if b == 0), default=0)
         if skipped:
             spec.start = min(spec.end, max(spec.start, skipped * self.options.block_size))
         self._loads_to_start.append(spec)

@@ -133,21 +133,27 @@ class KVCacheManager:
         if req_blocks and self.sliding_window is not None:
             self._free_skipped_blocks(req_blocks, num_computed)
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_skipped = 0  # leading new blocks that stay null (before the window)
-        if num_external_tokens and self.sliding_window is not None:
+        # With a window, blocks wholly before the window of the first token computed here (after
+        # the hits and the connector's tokens) are null: hits there are not taken, and new
+        # blocks there not allocated.
+        first_useful = 0
+        if self.sliding_window is not None:
             first_useful = max(0, num_computed + num_external_tokens - self.sliding_window + 1
                                ) // self.block_size
-            num_skipped = max(0, first_useful - len(req_blocks) - len(computed_blocks))
-        num_new_blocks = num_required - len(req_blocks) - len(computed_blocks) - num_skipped
+        base = len(req_blocks)
+        num_null_hits = min(len(computed_blocks), max(0, first_useful - base))
+        kept_hits = computed_blocks[num_null_hits:]
+        num_skipped = max(0, first_useful - base - len(computed_blocks))
+        num_new_blocks = num_required - base - len(computed_blocks) - num_skipped
         # Hits that are free right now leave the free queue when taken.
-        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        num_free_hits = sum(1 for b in kept_hits if b.ref_cnt == 0)
         if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None
-        self.block_pool.touch(computed_blocks)
-        req_blocks.extend(computed_blocks)
-        req_blocks.extend([self.block_pool.null_block] * num_skipped)
+        null = self.block_pool.null_block
+        self.block_pool.touch(kept_hits)
+        req_blocks.extend([null] * num_null_hits + kept_hits + [null] * num_skipped)
         new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
         req_blocks.extend(new_blocks)
         if self.enable_caching and cache:

@@ -14,7 +14,8 @@ from engine.model.causal_lm import CausalLM
 from engine.model.models import SUPPORTED_ARCHITECTURES, architecture_of
 from engine.model.sources.catalog import CATALOG, resolve_catalog
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "load_config", "load_model", "resolve_model_path"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "load_config", "load_model", "model_eos_token_ids",
+           "resolve_model_path"]
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
 
 
@@ -113,6 +114,24 @@ def load_tokenizer(model_path: Path | str) -> Any:
 
 
 _IMPORT_LOCK = threading.Lock()
+
+
+def model_eos_token_ids(model_path: Path | str) -> list[int]:
+    """Every end-of-sequence id of the model folder: its config's, then its generation
+    config's (lists in both for chat models: Gemma 3's [<eos>, <end_of_turn>], Llama 3.1's
+    [<|end_of_text|>, <|eom_id|>, <|eot_id|>])."""
+    import json
+
+    ids: list[int] = []
+    for name in ("config.json", "generation_config.json"):
+        try:
+            value = json.loads((Path(model_path) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        for eos in value if isinstance(value, list) else [value]:
+            if isinstance(eos, int) and not isinstance(eos, bool) and eos not in ids:
+                ids.append(eos)
+    return ids
 
 
 def model_max_len(hf_config: Any) -> int:

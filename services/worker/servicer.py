@@ -115,11 +115,13 @@ class WorkerServicer(pb_grpc.WorkerServicer):
     def _ends_request(self, token: int, params: SamplingParams, min_tokens: int) -> bool:
         """Whether `token` as the first output stops the request: the engine reports "length" for
         it (prefill runs with max_tokens 1 and length is checked first, as in vLLM), but the
-        request the router will continue must end here when it is EOS or a stop token id."""
+        request the router will continue must end here when it is EOS (any of the model's eos
+        ids: the engine stops on them too) or a stop token id."""
         if min_tokens > 1:
             return False
-        eos = self.engine.processor.eos_token_id if self.engine is not None else None
-        return token in params.stop_token_ids or (not params.ignore_eos and token == eos)
+        processor = self.engine.processor if self.engine is not None else None
+        eos = {processor.eos_token_id, *processor.extra_eos_token_ids} if processor else set()
+        return token in params.stop_token_ids or (not params.ignore_eos and token in eos)
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.DecodeChunk]:

@@ -30,6 +30,8 @@ def test_every_eos_id_of_the_generation_config_ends_a_sample(
     gen["eos_token_id"] = [2, second_eos]
     (path / "generation_config.json").write_text(json.dumps(gen))
     llm = LLM(model=str(path), num_threads=1)
+    # what a prefill worker checks its first token against (services/worker/servicer.py)
+    assert llm.processor.eos_token_id == 2 and llm.processor.extra_eos_token_ids == [second_eos]
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
     first = free_run.index(second_eos)
     assert list(out.outputs[0].token_ids) == free_run[: first + 1]

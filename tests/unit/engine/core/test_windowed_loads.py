@@ -14,6 +14,7 @@ from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import ModelRunnerOutput
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.sampling_params import SamplingParams
 from tests.unit.engine.core.test_scheduler import req
 
 BLOCK, WINDOW = 4, 6
@@ -81,3 +82,31 @@ def test_a_windowed_load_cut_short_computes_the_request_again_from_the_start() -
     while s.has_unfinished_requests():
         _step(s)
     assert s.kv.num_free_blocks == free
+
+
+def test_prefix_hits_before_the_window_are_not_taken() -> None:
+    """A long cached prefix in a cache sized for windows: the request takes only the hits its
+    window reaches (a deadlock before: it took them all and never fit)."""
+    cfg = replace(EngineConfig(model="x", max_model_len=200, block_size=BLOCK), max_num_batched_tokens=16)
+    s = Scheduler(cfg, KVCacheManager(13, BLOCK, True, sliding_window=8))
+    prompt = list(range(100, 140))  # 10 of the 12 usable blocks
+    for rid, tokens in (("a", prompt), ("b", prompt + list(range(200, 240)))):
+        s.add_request(Request(rid, tokens, SamplingParams(max_tokens=2, ignore_eos=True), eos_token_id=9999))
+        for _ in range(60):
+            if not s.has_unfinished_requests():
+                break
+            _step(s)
+        assert not s.has_unfinished_requests(), f"{rid} never finished"
+    assert s.kv.num_free_blocks == 12
+
+
+def test_a_load_after_prefix_hits_starts_after_the_skipped_blocks() -> None:
+    s = _scheduler()
+    s.add_request(req("first", 8, max_tokens=1))  # caches the first two blocks of its prompt
+    while s.has_unfinished_requests():
+        _step(s, KVConnectorOutput(finished_recving={"first"}))
+    prompt = list(req("first", 8).prompt_token_ids) + list(range(500, 522))
+    s.add_request(Request("b", prompt, SamplingParams(max_tokens=2), eos_token_id=9999))
+    _step(s)
+    ids = s.connector.block_ids["b"]  # type: ignore[union-attr]
+    assert ids[:6] == [0] * 6 and all(b != 0 for b in ids[6:])  # the hits before the window too
