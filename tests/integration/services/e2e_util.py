@@ -22,12 +22,15 @@ class PdserveUp:
     blocks until it prints that it is up; `stop()` sends Ctrl-C and waits (bounded)."""
 
     def __init__(self, model: str, *extra: str, colocated: bool = False) -> None:
-        self.port, store, self.prefill_port, self.decode_port = free_ports(4)
+        self.port, store, self.prefill_port, self.decode_port, live = free_ports(5)
         self.model = model
         self.colocated = colocated
+        # The liveness port too: its default (--port + 1000) is not known to be free (a CI run
+        # lost both load-test cases to another test holding it)
+        liveness = [] if "--router-liveness-port" in extra else ["--router-liveness-port", str(live)]
         self.argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--port", str(self.port),
                      "--kvstore-port", str(store), "--prefill-port", str(self.prefill_port),
-                     "--decode-port", str(self.decode_port), *extra]
+                     "--decode-port", str(self.decode_port), *liveness, *extra]
         if colocated:
             self.argv.append("--colocated")
         self.proc: subprocess.Popen[str] | None = None
