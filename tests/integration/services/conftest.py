@@ -109,3 +109,19 @@ async def client(router: Any) -> AsyncIterator[Any]:
 
     async with openai.AsyncOpenAI(base_url=router.base_url, api_key="x", max_retries=0, timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def routers(workers: dict[str, WorkerServer], model_dir: Path) -> Iterator[tuple[Any, Any]]:
+    """Two routers (ServedRouters, model name "tiny") on the module's `workers`: (split over its
+    prefill and decode workers, colocated on its colocated worker)."""
+    from services.router.app import RouterConfig
+    from services.router.dispatch.dispatcher import DispatchOptions
+    from tests.integration.services.router_util import ServedRouter
+
+    split = DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,))
+    colocated = DispatchOptions(decode=(workers["colocated"].target,))
+    configs = [RouterConfig(model="tiny", tokenizer=str(model_dir), max_model_len=512, dispatch=d)
+               for d in (split, colocated)]
+    with ServedRouter(configs[0]) as a, ServedRouter(configs[1]) as b:
+        yield a, b

@@ -6,16 +6,13 @@ transformers too) and seeded."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
 
-from services.router.app import RouterConfig
-from services.router.dispatch.dispatcher import DispatchOptions
-from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -26,16 +23,6 @@ NEW = 24
 @pytest.fixture(scope="module", params=["qwen3", "mistral_window", "qwen3_moe"])
 def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir(request.param)
-
-
-@pytest.fixture(scope="module")
-def routers(workers: dict[str, WorkerServer], model_dir: Path) -> Iterator[tuple[ServedRouter, ...]]:
-    split = DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,))
-    colocated = DispatchOptions(decode=(workers["colocated"].target,))
-    configs = [RouterConfig(model="tiny", tokenizer=str(model_dir), max_model_len=512, dispatch=d)
-               for d in (split, colocated)]
-    with ServedRouter(configs[0]) as a, ServedRouter(configs[1]) as b:
-        yield a, b
 
 
 async def _complete(router: ServedRouter, prompt: list[int], **kw: Any) -> tuple[str, list[float]]:

@@ -20,7 +20,6 @@ import pytest
 import pytest_asyncio
 
 from engine.sampling_params import SamplingParams
-from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import Dispatcher, DispatchOptions
 from services.router.dispatch.pool import Pick
 from services.worker.server import WorkerOptions, WorkerServer
@@ -182,16 +181,6 @@ async def test_a_retried_prefill_gives_the_same_tokens(dispatchers: dict[str, Di
     _same(got, expected)
     assert [dispatchers["colocated"].decode.workers[0].target] == FAILED
     assert ["disaggregated" if route == "retried" else "fallback"] == DECISIONS
-
-
-@pytest.fixture(scope="module")
-def routers(workers: dict[str, WorkerServer], model_dir: Any) -> Any:
-    split = DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,))
-    colocated = DispatchOptions(decode=(workers["colocated"].target,))
-    configs = [RouterConfig(model="tiny", tokenizer=str(model_dir), max_model_len=512, dispatch=d)
-               for d in (split, colocated)]
-    with ServedRouter(configs[0]) as a, ServedRouter(configs[1]) as b:
-        yield a, b
 
 
 @in_module_loop
