@@ -8,8 +8,11 @@ on the same workload for a Mistral-shaped random model with a 128-key window on 
 against the same model with the window off (blocks of 16; means over requests of the blocks
 each held at its last step and of the most it held, and the most the batch held at once: a
 prompt's blocks are all taken while it is prefilled, so the savings show as requests decode).
+Row 4: the same for a Gemma 3-shaped random model (5 local layers with the window to 1 global)
+with vLLM's hybrid KV cache manager (the local layers' groups free their blocks) against it
+off (every block kept), in blocks of every layer.
 
-    python benchmarks/bench_models.py [--num-prompts 64] [--skip-hf] [--only gemma,moe,window]
+    python benchmarks/bench_models.py [--num-prompts 64] [--skip-hf] [--only gemma,moe,window,hybrid]
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--window", type=int, default=128, help="the windowed model's window")
     p.add_argument("--skip-hf", action="store_true", help="engine rows only")
-    p.add_argument("--only", default="gemma,moe,window", help="which rows (comma-separated)")
+    p.add_argument("--only", default="gemma,moe,window,hybrid", help="which rows (comma-separated)")
     return p.parse_args(argv)
 
 
@@ -99,6 +102,21 @@ def windowed(folder: Path, window: int | None) -> Path:
     return _with_tokenizer(folder)
 
 
+def hybrid(folder: Path, window: int) -> Path:
+    """A random Gemma 3-shaped model of the default model's size: 30 layers, 5 local (a `window`
+    key window) to 1 global."""
+    import torch
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                              num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                              head_dim=64, max_position_embeddings=2048, sliding_window=window,
+                              tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return _with_tokenizer(folder)
+
+
 def throughput_row(label: str, folder: Path, args: argparse.Namespace) -> list[object]:
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab_size(folder),
                              args.seed)
@@ -114,16 +132,19 @@ def throughput_row(label: str, folder: Path, args: argparse.Namespace) -> list[o
             f"{same}/{len(prompts)} identical"]
 
 
-def blocks_held(folder: Path, args: argparse.Namespace) -> tuple[float, float, int]:
+def blocks_held(folder: Path, args: argparse.Namespace, **engine: Any) -> tuple[float, float, float]:
     """(mean over requests of the most blocks each held, of the blocks each held at its last
-    step, most blocks in use at once)."""
+    step, most blocks in use at once), in blocks of every layer: a hybrid model's pages hold
+    fewer layers (engine/core/kv_layout.py), counted as that share of a block."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
     llm = LLM(model=str(folder), dtype="float32", kv_cache_gib=args.kv_cache_gib,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              num_threads=args.threads, block_size=16)
+              num_threads=args.threads, block_size=16, **engine)
     kv = llm.engine_core.kv_cache_manager
+    layout = llm.engine_core.kv_layout
+    share = layout.layers_per_block / len(layout.layer_group)  # of a block of every layer
     most: dict[str, int] = {}
     last: dict[str, int] = {}
     peak = [0]
@@ -143,7 +164,8 @@ def blocks_held(folder: Path, args: argparse.Namespace) -> tuple[float, float, i
     llm.generate(prompts, SamplingParams(max_tokens=args.output_len, temperature=0.0,
                                          ignore_eos=True), use_tqdm=False)
     llm.shutdown()
-    return sum(most.values()) / len(most), sum(last.values()) / len(last), peak[0]
+    return (share * sum(most.values()) / len(most), share * sum(last.values()) / len(last),
+            share * peak[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,7 +189,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"{on[1]:.1f}", f"{off[1]:.1f} (window off)",
                          f"{off[1] / on[1]:.2f}x fewer", "-"])
             rows.append(["KV blocks: most a request held / most in use at once",
-                         f"{on[0]:.1f} / {on[2]}", f"{off[0]:.1f} / {off[2]} (window off)",
+                         f"{on[0]:.1f} / {on[2]:.0f}", f"{off[0]:.1f} / {off[2]:.0f} (window off)",
+                         f"{off[0] / on[0]:.2f}x / {off[2] / on[2]:.2f}x", "-"])
+        if "hybrid" in only:
+            folder = hybrid(Path(tmp) / "hybrid", args.window)
+            on = blocks_held(folder, args)
+            off = blocks_held(folder, args, disable_hybrid_kv_cache_manager=True)
+            rows.append([f"hybrid 5 local : 1 global, window {args.window}: KV blocks (of every "
+                         "layer) a request holds at its last step",
+                         f"{on[1]:.1f}", f"{off[1]:.1f} (hybrid manager off)",
+                         f"{off[1] / on[1]:.2f}x fewer", "-"])
+            rows.append(["hybrid: most a request held / most in use at once",
+                         f"{on[0]:.1f} / {on[2]:.0f}", f"{off[0]:.1f} / {off[2]:.0f} (off)",
                          f"{off[0] / on[0]:.2f}x / {off[2] / on[2]:.2f}x", "-"])
     print(f"workload A: {args.num_prompts} prompts of {args.min_len}..{args.max_len} random ids, "
           f"{args.output_len} new tokens each, greedy, ignore EOS, fp32; median of {args.repeats} "

@@ -74,6 +74,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0
     enable_prefix_caching: bool = True
+    # A hybrid model's (Gemma 2/3) windowed layers free the blocks their window has left, in KV
+    # cache groups of their own (engine/core/kv_layout.py); True: one group, every block kept
+    # (vLLM's --disable-hybrid-kv-cache-manager). Models whose every layer has a window free
+    # theirs either way.
+    disable_hybrid_kv_cache_manager: bool = False
     max_model_len: int | None = None
     # "sjf": fewest tokens left first, for waiting requests and for chunked prefills under way
     # (a long prefill's next chunk waits while a shorter prompt is queued); a request waiting

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.connector.keys import ForeignKeys, key_scheme
 from engine.connector.transfer_params import check_transfer_params
 from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.kv_layout import KVCacheLayout, make_layout, single_group
 from engine.core.outputs import (
     STEP_SECONDS_BUCKETS,
     EngineCoreOutputs,
@@ -61,11 +62,12 @@ class EngineCore:
         model, hf_config = load_model(path, dtype, backend, device)
         chosen_len = config.max_model_len
         config = config.resolved(model_max_len(hf_config))
-        num_blocks = _num_blocks(config, model, dtype, device, free_before_load)
-        if chosen_len is None and _freeing_window(model, config) is None:  # the model's limit, unless
-            # the cache cannot hold one request of it
-            config = _fit_model_len(config, num_blocks, model_max_len(hf_config))
-        _check_cache_holds_one_request(config, num_blocks, _freeing_window(model, config))
+        layout = kv_layout(model, config)
+        num_blocks = _num_blocks(config, model, layout, dtype, device, free_before_load)
+        if chosen_len is None:  # the model's limit, unless the cache cannot hold one request of it
+            config = _fit_model_len(config, num_blocks, layout, model_max_len(hf_config))
+        _check_cache_holds_one_request(config, num_blocks, layout)
+        self.kv_layout = layout
         self.config = config
         self.model_path = path
         self.vocab_size: int = model.vocab_size
@@ -74,12 +76,13 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.runner = ModelRunner(
             model, config.block_size, num_blocks, config.max_num_seqs, config.model_len,
-            config.max_num_batched_tokens, dtype, device, _eos_token_id(hf_config), config.seed)
+            config.max_num_batched_tokens, dtype, device, _eos_token_id(hf_config), config.seed,
+            layout)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
                                                config.enable_prefix_caching,
-                                               _freeing_window(model, config))
+                                               group_windows=layout.windows)
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.step_seconds = Histogram.with_bounds(STEP_SECONDS_BUCKETS)  # steps that computed tokens
         self.fill_in_thread = device.type != "cpu"  # grammar bitmasks (see _grammar_bitmask)
@@ -94,9 +97,10 @@ class EngineCore:
             sched_half, worker_half = make_kvstore_connector(config, model.num_layers)
             self.scheduler.connector = sched_half
             self.runner.set_connector(worker_half)
-        logger.info("engine core ready: %s on %s (%s attention), %d KV blocks of %d tokens, "
-                    "max_model_len %d", path, device, backend.name, num_blocks - 1,
-                    config.block_size, config.model_len)
+        logger.info("engine core ready: %s on %s (%s attention), %d KV blocks of %d tokens "
+                    "(%d KV cache group(s) of %d layers), max_model_len %d", path, device,
+                    backend.name, num_blocks - 1, config.block_size, layout.num_groups,
+                    layout.layers_per_block, config.model_len)
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queues a request; raises ValueError naming the field when it cannot be served."""
@@ -248,8 +252,8 @@ class EngineCore:
                     :params.get("num_tokens", 0)], request.cache_salt)
 
 
-def _num_blocks(config: EngineConfig, model: Any, dtype: torch.dtype, device: torch.device,
-                free_before_load: int | None) -> int:
+def _num_blocks(config: EngineConfig, model: Any, layout: KVCacheLayout, dtype: torch.dtype,
+                device: torch.device, free_before_load: int | None) -> int:
     """KV blocks for this engine; on CUDA without an explicit size, profiled (vLLM's rule)."""
     from engine.kv_cache_sizing import num_kv_blocks
 
@@ -263,31 +267,43 @@ def _num_blocks(config: EngineConfig, model: Any, dtype: torch.dtype, device: to
                                      lambda: run_profile_step(model, config, dtype, device))
         available = profile.kv_budget(config.gpu_memory_utilization)
         logger.info("GPU memory: %s -> %.2f GiB for the KV cache", profile, available / 2**30)
-    return num_kv_blocks(config, model.num_layers, model.num_kv_heads, model.head_dim, dtype,
+    # a block is a page of `layers_per_block` layers (all of them, unless the model is hybrid)
+    return num_kv_blocks(config, layout.layers_per_block, model.num_kv_heads, model.head_dim, dtype,
                          available_bytes=available)
 
 
-def _freeing_window(model: Any, config: EngineConfig) -> int | None:
-    """The window after which a request's blocks can be freed: the largest of the model's
-    windows when every layer has one (Mistral; not hybrid Gemma, whose global layers need every
-    block), and only where no connector saves the prompt's KV (a producer saves each chunk from
-    its blocks once computed, which may be after later chunks were scheduled; a consumer loads
-    only what its first computed token's window reaches, then frees as it decodes)."""
-    windows = tuple(getattr(model, "sliding_windows", ()) or ())
-    if not windows or any(w is None for w in windows):
-        return None
-    if config.kv_connector is not None and config.kv_role != "kv_consumer":
-        return None
-    return max(w for w in windows if w is not None)
+def kv_layout(model: Any, config: EngineConfig) -> KVCacheLayout:
+    """How the model's layers share KV blocks (engine/core/kv_layout.py). Windowed layers free
+    the blocks their window has left (Mistral: every layer; hybrid Gemma 2/3: the local layers'
+    groups, while the global layers keep theirs), except where a connector saves the prompt's
+    KV (a producer saves each chunk from its blocks once computed, which may be after later
+    chunks were scheduled: one group, kept whole); a consumer loads only what its first computed
+    token's window reaches, then frees as it decodes."""
+    windows = tuple(getattr(model, "sliding_windows", ()) or (None,) * model.num_layers)
+    saves = config.kv_connector is not None and config.kv_role != "kv_consumer"
+    if config.disable_hybrid_kv_cache_manager and any(w is None for w in windows):
+        return single_group(len(windows))
+    return make_layout(windows, free_windowed=not saves)
 
 
-def _fit_model_len(config: EngineConfig, num_blocks: int, model_limit: int) -> EngineConfig:
+def _fit_model_len(config: EngineConfig, num_blocks: int, layout: KVCacheLayout,
+                   model_limit: int) -> EngineConfig:
     """Where no max_model_len was asked for and the KV cache cannot hold one request of the
-    model's own limit (Gemma 3 270M: 32k positions, 36 KiB a token in float32), the longest
-    request the cache holds, said in the log (vLLM stops with an error here instead)."""
-    holds = (num_blocks - 1) * config.block_size
-    if holds >= config.model_len:
+    model's own limit, the longest request the cache holds, said in the log (vLLM stops with an
+    error here instead)."""
+    def fits(n: int) -> bool:
+        return layout.blocks_for_one_request(n, config.block_size,
+                                             config.max_num_batched_tokens) <= num_blocks - 1
+
+    if fits(config.model_len):
         return config
+    lo, hi = 0, config.model_len  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    holds = lo
+    if holds < 1:
+        return config  # nothing fits: _check_cache_holds_one_request says so
     logger.warning("the KV cache (%d blocks of %d tokens) cannot hold one request of the model's "
                    "limit %d: serving max_model_len=%d (set --max-model-len, or raise the KV "
                    "cache size, to choose)", num_blocks - 1, config.block_size, model_limit, holds)
@@ -295,10 +311,10 @@ def _fit_model_len(config: EngineConfig, num_blocks: int, model_limit: int) -> E
 
 
 def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int,
-                                   window: int | None = None) -> None:
-    needed = -(-config.model_len // config.block_size)
-    if window is not None:  # a window's blocks and one step's new tokens, at most
-        needed = min(needed, -(-(window - 1 + config.max_num_batched_tokens) // config.block_size) + 1)
+                                   layout: KVCacheLayout) -> None:
+    # a windowed group holds its window's blocks and one step's new tokens, at most
+    needed = layout.blocks_for_one_request(config.model_len, config.block_size,
+                                           config.max_num_batched_tokens)
     if num_blocks - 1 < needed:
         raise ValueError(
             f"the KV cache ({num_blocks - 1} usable blocks of {config.block_size} tokens) cannot "

@@ -11,13 +11,14 @@ tokens; a partial (chunked) prefill samples nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
 from engine.attention.backend import AttentionMetadata
+from engine.core.kv_layout import KVCacheLayout, single_group
 from engine.core.outputs import (
     LogprobsEntry,
     ModelRunnerOutput,
@@ -55,6 +56,7 @@ class CausalLM(Protocol):
         metadata: AttentionMetadata,
         before_layer: Callable[[int], None] | None = None,
         after_layer: Callable[[int], None] | None = None,
+        layer_metadata: list[AttentionMetadata] | None = None,
     ) -> torch.Tensor: ...  # [num_tokens, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, vocab] float32
@@ -68,7 +70,7 @@ class RequestState:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     token_buf: np.ndarray = field(repr=False)  # [capacity] int64, prompt + outputs
     num_tokens: int = 0
@@ -88,7 +90,8 @@ class _Batch:
     req_ids: list[str]
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata  # the first KV cache group's
+    layer_metadata: list[AttentionMetadata] | None  # per layer, its group's (hybrid models)
     sample_req_idx: list[int]  # batch indices of the requests that sample
     logits_rows: torch.Tensor  # [num_sampled] int64, each one's last token row
     starts: np.ndarray  # [num_reqs] int64: each one's first scheduled position (computed before)
@@ -110,6 +113,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_id: int | None,
         seed: int,
+        layout: KVCacheLayout | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -121,16 +125,23 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self._prompt_logprobs_reqs: set[str] = set()  # requests that asked for prompt_logprobs
         self.sampler = Sampler(seed, self.device)
-        self.kv_caches = [
+        self.layout = layout or single_group(model.num_layers)
+        if len(self.layout.layer_group) != model.num_layers:
+            raise ValueError(f"the KV cache layout has {len(self.layout.layer_group)} layers, the "
+                             f"model {model.num_layers}")
+        shared = [
             torch.zeros(num_blocks, 2, block_size, model.num_kv_heads, model.head_dim,
                         dtype=dtype, device=self.device)
-            for _ in range(model.num_layers)
+            for _ in range(self.layout.layers_per_block)
         ]  # each [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        # per layer: the tensor of its slot (a hybrid model's groups share them, by block id)
+        self.kv_caches = [shared[slot] for slot in self.layout.layer_slot]
         pin = self.device.type == "cuda"
         max_blocks = -(-max_model_len // block_size)
-        self._tokens_buf = torch.zeros(3, max_num_batched_tokens, dtype=torch.int64,
-                                       pin_memory=pin)  # ids, positions, slots
-        self._table_buf = torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
+        self._tokens_buf = torch.zeros(2 + self.layout.num_groups, max_num_batched_tokens,
+                                       dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
+        self._table_bufs = [torch.zeros(max_num_seqs, max_blocks, dtype=torch.int32, pin_memory=pin)
+                            for _ in self.layout.groups]
         # host buffers are rewritten only after the last step's async copies left them
         self._copies_done: torch.cuda.Event | None = None
         self.decode_graphs: DecodeGraphs | None = None
@@ -138,7 +149,7 @@ class ModelRunner:
 
     def set_connector(self, connector: KVConnectorWorker) -> None:
         """The worker half of a KV connector; it sees the KV caches and every step."""
-        connector.register_kv_caches(self.kv_caches)
+        connector.register_kv_caches(self.kv_caches, list(self.layout.layer_group))
         self.connector = connector
 
     def capture_decode_graphs(self, max_num_seqs: int) -> None:
@@ -146,7 +157,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, self.max_model_len,
-                              self.block_size, self.device)
+                              self.block_size, self.device, self.layout.layer_group)
         graphs.capture()
         self.decode_graphs = graphs
 
@@ -161,7 +172,8 @@ class ModelRunner:
                 self._prompt_logprobs_reqs.add(new.req_id)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
+            for ids, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
+                ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
     def _new_state(self, new: NewRequestData) -> RequestState:
@@ -173,7 +185,7 @@ class ModelRunner:
             sampling_params=new.sampling_params,
             prompt_token_ids=list(new.token_ids[: new.num_prompt_tokens]),
             output_token_ids=list(new.token_ids[new.num_prompt_tokens:]),
-            block_ids=list(new.block_ids),
+            block_ids=[list(ids) for ids in new.block_ids],
             num_computed_tokens=new.num_computed_tokens,
             token_buf=buf,
             num_tokens=num_tokens,
@@ -215,15 +227,17 @@ class ModelRunner:
                                                 or getattr(meta, "loads", None))
         if (graphs is not None and batch.metadata.is_pure_decode and not saving
                 and graphs.can_run(batch.metadata.num_reqs)):
-            hidden = graphs.run(batch.input_ids, batch.positions, batch.metadata)
+            hidden = graphs.run(batch.input_ids, batch.positions, batch.metadata,
+                                batch.layer_metadata)
         elif connector is not None:
             caches = self.kv_caches
             hidden = self.model(batch.input_ids, batch.positions, caches, batch.metadata,
                                 before_layer=connector.wait_for_layer_load,
-                                after_layer=lambda i: connector.save_kv_layer(i, caches[i]))
+                                after_layer=lambda i: connector.save_kv_layer(i, caches[i]),
+                                layer_metadata=batch.layer_metadata)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                batch.metadata)  # [num_tokens, hidden]
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
+                                layer_metadata=batch.layer_metadata)  # [num_tokens, hidden]
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[LogprobsEntry | None] = [None] * len(batch.req_ids)
         if batch.sample_req_idx:
@@ -264,16 +278,27 @@ class ModelRunner:
         chunks = [s.token_buf[c:c + n]
                   for s, c, n in zip(states, computed, query_lens, strict=True)]
         np.concatenate(chunks, out=ids)
-        table = self._block_table(states)  # [num_reqs, max_blocks] int32
-        np.add(table[req_idx, pos // self.block_size].astype(np.int64) * self.block_size,
-               pos % self.block_size, out=slots)
+        block_of, offset = pos // self.block_size, pos % self.block_size
+        group_meta = []
+        for g in range(self.layout.num_groups):
+            table = self._block_table(states, g)  # [num_reqs, max_blocks] int32
+            np.add(table[req_idx, block_of].astype(np.int64) * self.block_size, offset,
+                   out=slots[g])
+            if g == 0:
+                group_meta.append(self._attention_metadata(slots[0], cu, query_lens, seq_lens,
+                                                           table))
+            else:  # the same batch over the group's own pages
+                group_meta.append(replace(
+                    group_meta[0], slot_mapping=self._to_device(torch.from_numpy(slots[g])),
+                    block_table=self._to_device(torch.from_numpy(table))))
+        layer_meta = ([group_meta[g] for g in self.layout.layer_group]
+                      if self.layout.is_hybrid else None)
         sample_idx = [i for i, s in enumerate(states)
                       if query_lens[i] > 0 and seq_lens[i] >= s.num_tokens]
-        metadata = self._attention_metadata(slots, cu, query_lens, seq_lens, table)
         logits_rows = torch.tensor([int(cu[i + 1]) - 1 for i in sample_idx], dtype=torch.int64)
         batch = _Batch(req_ids, self._to_device(torch.from_numpy(ids)),
-                       self._to_device(torch.from_numpy(pos)), metadata, sample_idx,
-                       logits_rows.to(self.device), computed, cu[:-1])
+                       self._to_device(torch.from_numpy(pos)), group_meta[0], layer_meta,
+                       sample_idx, logits_rows.to(self.device), computed, cu[:-1])
         if self.device.type == "cuda":
             self._copies_done = torch.cuda.Event()
             self._copies_done.record()
@@ -293,25 +318,28 @@ class ModelRunner:
         )
 
     def _token_arrays(self, total: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Host arrays of `total` entries for token ids, positions and slots."""
+        """Host arrays of `total` entries for token ids, positions and (one row per KV cache
+        group) slots."""
         if total > self._tokens_buf.shape[1]:
-            self._tokens_buf = torch.zeros(3, total, dtype=torch.int64,
+            self._tokens_buf = torch.zeros(self._tokens_buf.shape[0], total, dtype=torch.int64,
                                            pin_memory=self._tokens_buf.is_pinned())
         buf = self._tokens_buf.numpy()
-        return buf[0, :total], buf[1, :total], buf[2, :total]
+        return buf[0, :total], buf[1, :total], buf[2:, :total]
 
-    def _block_table(self, states: list[RequestState]) -> np.ndarray:
+    def _block_table(self, states: list[RequestState], group: int) -> np.ndarray:
         num_reqs = len(states)
-        width = max(len(s.block_ids) for s in states)
-        rows, cols = self._table_buf.shape
+        width = max(len(s.block_ids[group]) for s in states)
+        buf = self._table_bufs[group]
+        rows, cols = buf.shape
         if num_reqs > rows or width > cols:
-            self._table_buf = torch.zeros(max(num_reqs, rows), max(width, cols),
-                                          dtype=torch.int32,
-                                          pin_memory=self._table_buf.is_pinned())
-        table = self._table_buf.numpy()[:num_reqs, :width]
+            buf = self._table_bufs[group] = torch.zeros(
+                max(num_reqs, rows), max(width, cols), dtype=torch.int32,
+                pin_memory=buf.is_pinned())
+        table = buf.numpy()[:num_reqs, :width]
         table.fill(0)
         for i, s in enumerate(states):
-            table[i, : len(s.block_ids)] = s.block_ids
+            ids = s.block_ids[group]
+            table[i, : len(ids)] = ids
         return table
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

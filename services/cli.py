@@ -34,6 +34,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="KV cache size (default: 1 GiB on CPU, gpu-memory-utilization on CUDA)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                       help="a hybrid model (Gemma 2/3: windowed and full layers) keeps every "
+                            "layer's blocks for the whole request, as a model without windows "
+                            "(default: its windowed layers free what their window has left)"),
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -55,6 +59,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager,
+                disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                 num_threads=args.num_threads, sjf_max_wait_s=args.sjf_max_wait_s,
                 **{k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                      ("scheduling_policy", args.scheduling_policy))

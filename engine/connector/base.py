@@ -55,7 +55,7 @@ class KVConnectorScheduler(abc.ABC):
                                    num_computed_tokens: int) -> tuple[int | None, bool]: ...
 
     @abc.abstractmethod
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+    def update_state_after_alloc(self, request: Request, block_ids: list[list[int]],
                                  num_external_tokens: int) -> None: ...
 
     @abc.abstractmethod
@@ -63,7 +63,7 @@ class KVConnectorScheduler(abc.ABC):
 
     @abc.abstractmethod
     def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]: ...
+                         block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]: ...
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027
         """Optional: bookkeeping on what the worker half finished."""
@@ -74,7 +74,10 @@ class KVConnectorScheduler(abc.ABC):
 
 class KVConnectorWorker(abc.ABC):
     @abc.abstractmethod
-    def register_kv_caches(self, kv_caches: list[Any]) -> None: ...
+    def register_kv_caches(self, kv_caches: list[Any],
+                           layer_group: list[int] | None = None) -> None:
+        """Per layer its cache, and (hybrid models) its KV cache group: the index into the
+        per-group block ids of the requests (None: one group)."""
 
     @abc.abstractmethod
     def bind_connector_metadata(self, metadata: Any) -> None: ...

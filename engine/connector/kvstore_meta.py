@@ -14,7 +14,10 @@ class LoadSpec:
     start: int
     end: int
     token_digests: list[bytes] = field(default_factory=list)  # per chunk: what checksums bind
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
+    # per KV cache group, where its load starts (>= start: a windowed group's first token in
+    # the window of the first token computed here); empty: `start` for every group
+    group_starts: list[int] = field(default_factory=list)
     layerwise: bool = False  # loaded inside the step that computes the rest (forward waits per layer)
 
 
@@ -25,7 +28,7 @@ class SaveSpec:
     req_id: str
     chunk_keys: list[str]
     chunks: list[tuple[int, int, int]]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     token_digests: list[bytes] = field(default_factory=list)  # per chunk (keys.py)
 
 

@@ -60,7 +60,7 @@ class _Tracked:
     transfer: dict[str, Any]  # its kv_transfer_params ({} without)
     keys: list[str] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_chunks: int = 0  # chunks saved (or known to be in the store) from the start
     lookup: Future[int] | None = None  # the store's prefix of it, in chunks (asked once)
     pending_load: LoadSpec | None = None  # matched, waiting for its blocks
@@ -153,18 +153,21 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
             return tokens <= self.options.layerwise_max_tokens
         return self.options.load_mode == "layerwise"
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+    def update_state_after_alloc(self, request: Request, block_ids: list[list[int]],
                                  num_external_tokens: int) -> None:
         tracked = self._track_request(request)
         spec, tracked.pending_load = tracked.pending_load, None
         if spec is None or num_external_tokens == 0:
             return
-        spec.block_ids = list(block_ids)
-        # A windowed model's leading blocks may be null (never allocated, engine/core): the
+        spec.block_ids = [list(ids) for ids in block_ids]
+        # A windowed group's leading blocks may be null (never allocated, engine/core): the
         # window of the first token computed here does not reach them, so nothing loads there.
-        skipped = max((i + 1 for i, b in enumerate(block_ids) if b == 0), default=0)
-        if skipped:
-            spec.start = min(spec.end, max(spec.start, skipped * self.options.block_size))
+        starts = []
+        for ids in block_ids:
+            skipped = max((i + 1 for i, b in enumerate(ids) if b == 0), default=0)
+            starts.append(min(spec.end, max(spec.start, skipped * self.options.block_size)))
+        spec.start = min(starts)
+        spec.group_starts = starts
         self._loads_to_start.append(spec)
         tracked.loading = spec
         # what this step computes rests on a layer-wise load: save it only if the load held
@@ -213,11 +216,13 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         for new in scheduler_output.scheduled_new_reqs:  # all their blocks
             tracked = self._track(new.req_id, new.token_ids[:new.num_prompt_tokens], new.cache_salt,
                                   new.sampling_params.kv_transfer_params)
-            tracked.block_ids = list(new.block_ids)
+            tracked.block_ids = [list(ids) for ids in new.block_ids]
             before[new.req_id] = new.num_computed_tokens
         for cached in scheduler_output.scheduled_cached_reqs:  # their new blocks
             if cached.req_id in self._tracked:
-                self._tracked[cached.req_id].block_ids.extend(cached.new_block_ids)
+                for ids, new_ids in zip(self._tracked[cached.req_id].block_ids,
+                                        cached.new_block_ids, strict=True):
+                    ids.extend(new_ids)
             before[cached.req_id] = cached.num_computed_tokens
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             step = self._tracked.get(req_id)
@@ -240,10 +245,11 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         chunks = [(c, c * self.chunk_size, min((c + 1) * self.chunk_size, prompt_len))
                   for c in range(first, total)]
         tracked.saved_chunks = total
-        return SaveSpec(req_id, tracked.keys, chunks, list(tracked.block_ids), tracked.digests)
+        return SaveSpec(req_id, tracked.keys, chunks, [list(ids) for ids in tracked.block_ids],
+                        tracked.digests)
 
     def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+                         block_ids: list[list[int]]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         if tracked is None:  # never scheduled (aborted while waiting)
             tracked = _Tracked(list(request.prompt_token_ids), request.cache_salt,

@@ -146,6 +146,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._send_client = make_client()
         self._load_client = make_client()
         self.kv_caches: list[torch.Tensor] = []
+        self.layer_group: list[int] = []  # per layer, its KV cache group
         self._meta = KVStoreConnectorMetadata()
         self._queue: queue.Queue[list[_Item] | None] = queue.Queue(maxsize=64)
         self._unsent = 0
@@ -160,8 +161,9 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._layer_events: list[threading.Event] = []
         self._layerwise: list[tuple[LoadSpec, _LoadState]] = []
 
-    def register_kv_caches(self, kv_caches: list[Any]) -> None:
+    def register_kv_caches(self, kv_caches: list[Any], layer_group: list[int] | None = None) -> None:
         self.kv_caches = list(kv_caches)
+        self.layer_group = list(layer_group) if layer_group is not None else [0] * len(kv_caches)
 
     def bind_connector_metadata(self, metadata: Any) -> None:
         self._meta = metadata if metadata is not None else KVStoreConnectorMetadata()
@@ -178,7 +180,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         items = []
         for spec in self._meta.saves:
             for chunk, start, end in spec.chunks:
-                data = gather_tokens(kv_cache, spec.block_ids, start, end)
+                data = gather_tokens(kv_cache, spec.block_ids[self.layer_group[layer]], start, end)
                 meta = RemoteMetadata.single(tuple(data.shape), data.dtype, MemoryFormat.KV_T2D).pack()
                 items.append((f"{spec.chunk_keys[chunk]}@{layer}", meta, data.view(torch.uint8).numpy(),
                               _digest(spec.token_digests, chunk)))
@@ -272,12 +274,12 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         with this process); returns (tokens valid from the start, first error or None)."""
         start = time.perf_counter()
         state = _LoadState(spec.end)
-        chunks = self._chunks(spec)
-        keys = [f"{spec.chunk_keys[c]}@{layer}" for layer in range(len(self.kv_caches))
-                for c in chunks]
+        plan = [(layer, c) for layer in range(len(self.kv_caches)) for c in self._chunks(spec, layer)]
+        keys = [f"{spec.chunk_keys[c]}@{layer}" for layer, c in plan]
         try:
-            for i, obj in self._load_client.get_stream(keys, batch=len(chunks)):
-                self._apply(spec, i // len(chunks), chunks[i % len(chunks)], obj, state)
+            for i, obj in self._load_client.get_stream(keys, batch=max(1, len(self._chunks(spec, 0)))):
+                layer, c = plan[i]
+                self._apply(spec, layer, c, obj, state)
         except Exception as exc:  # store unreachable etc.: nothing loaded
             self._store_failed_at = time.monotonic()
             state.valid, state.error = spec.start, f"loading from the KV store failed: {exc}"
@@ -285,9 +287,14 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             self._record_load(spec, state, time.perf_counter() - start)
         return max(state.valid, spec.start), state.error
 
-    def _chunks(self, spec: LoadSpec) -> list[int]:
+    def _group_start(self, spec: LoadSpec, layer: int) -> int:
+        """Where the layer's load starts: its KV cache group's start (a windowed group of a
+        hybrid model loads only its window)."""
+        return spec.group_starts[self.layer_group[layer]] if spec.group_starts else spec.start
+
+    def _chunks(self, spec: LoadSpec, layer: int) -> list[int]:
         cs = self.chunk_size
-        return list(range(spec.start // cs, (spec.end - 1) // cs + 1))
+        return list(range(self._group_start(spec, layer) // cs, (spec.end - 1) // cs + 1))
 
     def _apply(self, spec: LoadSpec, layer: int, c: int, obj: Any, state: _LoadState) -> None:
         """Writes chunk `c` of `layer` from its object; a missing or mismatched object lowers
@@ -299,7 +306,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         width = kv.shape[3] * kv.shape[4]
         if obj is not None:
             state.nbytes += len(obj.data)
-        lo, hi = max(spec.start, c * cs), min(spec.end, (c + 1) * cs)
+        lo, hi = max(self._group_start(spec, layer), c * cs), min(spec.end, (c + 1) * cs)
         if hi <= lo or lo >= state.valid:
             return
         problem = None
@@ -326,7 +333,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             return
         assert obj is not None
         data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
-        scatter_tokens(kv, spec.block_ids, lo, data[lo - c * cs: hi - c * cs])
+        scatter_tokens(kv, spec.block_ids[self.layer_group[layer]], lo, data[lo - c * cs: hi - c * cs])
 
     def _check_integrity(self, key: str, obj: Any, tokens: bytes) -> str | None:
         """None when the object's checksum verifies for these tokens; else why not (counted and
@@ -374,8 +381,10 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
         # Layer-major, every spec's chunks per layer: layer l is complete at its last key.
         plan = [(layer, spec, c) for layer in range(len(events)) for spec in specs
-                for c in self._chunks(spec)]
-        per_layer = len(plan) // max(1, len(events))
+                for c in self._chunks(spec, layer)]
+        last = {layer: i for i, (layer, _, _) in enumerate(plan)}  # layer l is complete at its
+        # last key (a layer with none, nothing to load, completes with the one before it)
+        per_layer = max(1, len(plan) // max(1, len(events)))
 
         def run() -> None:
             done = 0  # layers whose event is set
@@ -390,9 +399,10 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                             break
                         if state.valid > spec.start:
                             self._apply(spec, layer, c, obj, state)
-                    if (i + 1) % per_layer == 0:
+                    if last.get(layer) == i:
                         self._layer_progress, self._layers_done = time.monotonic(), layer + 1
-                        events[layer].set()
+                        for event in events[done:layer + 1]:
+                            event.set()
                         done = layer + 1
             except Exception as exc:  # store unreachable: nothing of it counts
                 self._store_failed_at = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.core.block_pool import BlockPool, KVCacheBlock
@@ -48,25 +49,36 @@ class PrefixCacheStats:
 class KVCacheManager:
     """Allocates blocks for requests; finds and records prefix-cache hits.
 
-    A request's blocks cover its tokens in order; `allocate_slots` grows them for the tokens
-    scheduled in a step and records every block that becomes full under its hash.
+    A request holds one list of blocks per KV cache group (engine/core/kv_layout.py: one group,
+    unless the model is hybrid); each covers its tokens in order. `allocate_slots` grows them for
+    the tokens scheduled in a step and records every block that becomes full under its hash
+    (keyed by group: a page of one group holds other layers than another's).
 
-    `sliding_window` (a model whose every layer sees only its last `sliding_window` positions,
-    vLLM's sliding-window manager): before a request's next tokens get blocks, the blocks that
-    lie wholly before the window of its first new token are freed and replaced by the null
-    block in its list. Freed blocks keep their hash (a later request may still hit them until
-    they are evicted); the attention backends never read a block that left every window.
+    A group with a window (`group_windows`; `sliding_window` for the one group of a model whose
+    every layer has one) frees, before a request's next tokens get blocks, its blocks that lie
+    wholly before the window of the first new token, and puts the null block in their place
+    (vLLM's sliding-window manager). Freed blocks keep their hash (a later request may still hit
+    them until they are evicted); the attention backends never read a block that left every
+    window of its layers. A prefix hit of `k` blocks needs every kept group's first `k` blocks
+    and each windowed group's blocks within the window of the token after them (vLLM's hybrid
+    rule: the longest such `k`).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+                 sliding_window: int | None = None,
+                 group_windows: Sequence[int | None] | None = None) -> None:
+        windows = tuple(group_windows) if group_windows is not None else (sliding_window,)
+        if not windows:
+            raise ValueError("at least one KV cache group is needed")
+        for w in windows:
+            if w is not None and w < 1:
+                raise ValueError(f"sliding_window must be at least 1, got {w}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.sliding_window = sliding_window
+        self.windows = windows
+        self.num_groups = len(windows)
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         self.num_cached_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
 
@@ -83,8 +95,9 @@ class KVCacheManager:
         """Blocks a later request can hit: full blocks recorded under their hash."""
         return len(self.block_pool.cached_block_hash_to_block)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest run of cached full blocks at the start of the request, and its token count.
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+        """Cached blocks for the longest prefix of the request every group can start from (per
+        group; null blocks before a windowed group's window), and its token count.
 
         At least the last token is always left to compute, so the request gets logits. Not
         counted in `stats`: the scheduler records the lookup it acts on (`record_lookup`).
@@ -92,14 +105,28 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         self._update_block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.block_pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        pool = self.block_pool
+        found = [[pool.get_cached_block(group_key(h, g)) for h in hashes]
+                 for g in range(self.num_groups)]
+        length = len(hashes)
+        for g, window in enumerate(self.windows):
+            if window is None:  # a kept group: its leading run of hits
+                length = min(length, next((i for i, b in enumerate(found[g]) if b is None), length))
+        windowed = [g for g, w in enumerate(self.windows) if w is not None]
+        runs = {g: _runs_ending_at(found[g][:length]) for g in windowed}
+        while length > 0 and not all(
+                runs[g][length - 1] >= length - self._first_useful(g, length * self.block_size)
+                for g in windowed):
+            length -= 1
+        null = pool.null_block
+        hits = []
+        for g in range(self.num_groups):
+            first = self._first_useful(g, length * self.block_size)
+            blocks = found[g][first:length]
+            assert all(b is not None for b in blocks)
+            hits.append([null] * first + [b for b in blocks if b is not None])
+        return hits, length * self.block_size
 
     def record_lookup(self, request: Request, num_hit_tokens: int) -> None:
         """Counts the lookup of a request being scheduled (or starting its KV load): its tokens
@@ -115,47 +142,56 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        new_computed_blocks: list[list[KVCacheBlock]] | None = None,
         cache: bool = True,
         num_external_tokens: int = 0,
-    ) -> list[KVCacheBlock] | None:
-        """Blocks for `num_new_tokens` more tokens after the computed ones; None if they do not
-        fit (nothing is changed then). `new_computed_blocks` are prefix-cache hits covering
-        `num_new_computed_tokens` tokens, taken over by the request. `cache=False` leaves the
-        new blocks out of the prefix cache (KV still arriving from a connector); `cache_blocks`
-        records them once their content is there. The first `num_external_tokens` of the new
-        tokens arrive from a connector: with a sliding window, the blocks wholly before the
-        window of the first token computed here are never allocated (null blocks), so a
-        connector loads only what that window needs."""
-        computed_blocks = new_computed_blocks or []
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+    ) -> list[list[KVCacheBlock]] | None:
+        """Blocks for `num_new_tokens` more tokens after the computed ones, per group; None if
+        they do not fit (nothing is changed then, but blocks that left a window). The
+        `new_computed_blocks` (per group, from `get_computed_blocks`) are prefix-cache hits
+        covering `num_new_computed_tokens` tokens, taken over by the request. `cache=False`
+        leaves the new blocks out of the prefix cache (KV still arriving from a connector);
+        `cache_blocks` records them once their content is there. The first
+        `num_external_tokens` of the new tokens arrive from a connector: in a windowed group, the
+        blocks wholly before the window of the first token computed here are never allocated
+        (null blocks), so a connector loads only what that window needs."""
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        fresh = req_blocks is None
+        if req_blocks is None:
+            req_blocks = [[] for _ in self.windows]
         num_computed = request.num_computed_tokens + num_new_computed_tokens
-        if req_blocks and self.sliding_window is not None:
-            self._free_skipped_blocks(req_blocks, num_computed)
+        for g, window in enumerate(self.windows):
+            if window is not None and req_blocks[g]:
+                self._free_skipped_blocks(req_blocks[g], g, num_computed)
         num_required = -(-(num_computed + num_new_tokens) // self.block_size)
-        # With a window, blocks wholly before the window of the first token computed here (after
-        # the hits and the connector's tokens) are null: hits there are not taken, and new
-        # blocks there not allocated.
-        first_useful = 0
-        if self.sliding_window is not None:
-            first_useful = max(0, num_computed + num_external_tokens - self.sliding_window + 1
-                               ) // self.block_size
-        base = len(req_blocks)
-        num_null_hits = min(len(computed_blocks), max(0, first_useful - base))
-        kept_hits = computed_blocks[num_null_hits:]
-        num_skipped = max(0, first_useful - base - len(computed_blocks))
-        num_new_blocks = num_required - base - len(computed_blocks) - num_skipped
-        # Hits that are free right now leave the free queue when taken.
-        num_free_hits = sum(1 for b in kept_hits if b.ref_cnt == 0)
-        if num_new_blocks > self.block_pool.num_free_blocks - num_free_hits:
-            if not req_blocks:
-                del self.req_to_blocks[request.request_id]
+        plans = []
+        num_new_total = num_free_hits = 0
+        for g in range(self.num_groups):
+            hits = new_computed_blocks[g] if new_computed_blocks else []
+            # Blocks wholly before the window of the first token computed here (after the hits
+            # and the connector's tokens) are null: hits there are not taken, and new blocks
+            # there not allocated.
+            first_useful = self._first_useful(g, num_computed + num_external_tokens)
+            base = len(req_blocks[g])
+            num_null_hits = min(len(hits), max(0, first_useful - base))
+            kept = hits[num_null_hits:]
+            num_skipped = max(0, first_useful - base - len(hits))
+            num_new = max(0, num_required - base - len(hits) - num_skipped)
+            plans.append((num_null_hits, kept, num_skipped, num_new))
+            num_new_total += num_new
+            num_free_hits += sum(1 for b in kept if b.ref_cnt == 0 and not b.is_null)  # they
+            # leave the free queue
+        if num_new_total > self.block_pool.num_free_blocks - num_free_hits:
             return None
         null = self.block_pool.null_block
-        self.block_pool.touch(kept_hits)
-        req_blocks.extend([null] * num_null_hits + kept_hits + [null] * num_skipped)
-        new_blocks = self.block_pool.get_new_blocks(max(num_new_blocks, 0))
-        req_blocks.extend(new_blocks)
+        new_blocks = []
+        for g, (num_null_hits, kept, num_skipped, num_new) in enumerate(plans):
+            self.block_pool.touch(b for b in kept if not b.is_null)
+            new = self.block_pool.get_new_blocks(num_new)
+            req_blocks[g].extend([null] * num_null_hits + kept + [null] * num_skipped + new)
+            new_blocks.append(new)
+        if fresh:
+            self.req_to_blocks[request.request_id] = req_blocks
         if self.enable_caching and cache:
             self._cache_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return new_blocks
@@ -165,11 +201,17 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, min(num_tokens, request.num_tokens))
 
-    def _free_skipped_blocks(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
-        """Frees the blocks wholly before the window of the token at `num_computed` (the first
-        to compute next: it sees positions `num_computed - window + 1 ..`), last first."""
-        assert self.sliding_window is not None
-        first_useful = max(0, num_computed - self.sliding_window + 1) // self.block_size
+    def _first_useful(self, group: int, num_computed: int) -> int:
+        """The first block of `group` the token at `num_computed` sees (0 without a window)."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, num_computed - window + 1) // self.block_size
+
+    def _free_skipped_blocks(self, blocks: list[KVCacheBlock], group: int, num_computed: int) -> None:
+        """Frees the group's blocks wholly before the window of the token at `num_computed` (the
+        first to compute next: it sees positions `num_computed - window + 1 ..`), last first."""
+        first_useful = self._first_useful(group, num_computed)
         skipped = []
         for i in range(min(first_useful, len(blocks)) - 1, -1, -1):
             if blocks[i].is_null:  # everything before was freed in an earlier step
@@ -180,20 +222,27 @@ class KVCacheManager:
 
     def has_null_blocks(self, request_id: str) -> bool:
         """Whether some of the request's blocks were freed or never allocated (a window)."""
-        return any(b.is_null for b in self.req_to_blocks.get(request_id, []))
+        return any(b.is_null for blocks in self.req_to_blocks.get(request_id, []) for b in blocks)
 
     def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request holds (the null blocks standing in for freed ones not counted)."""
-        return sum(1 for b in self.req_to_blocks.get(request_id, []) if not b.is_null)
+        """Blocks the request holds in all groups (null blocks standing in for freed ones not
+        counted)."""
+        return sum(1 for blocks in self.req_to_blocks.get(request_id, []) for b in blocks
+                   if not b.is_null)
 
     def free(self, request: Request) -> None:
         """Returns the request's blocks; the last ones become the first to be evicted."""
-        blocks = self.req_to_blocks.pop(request.request_id, [])
+        groups = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
-        self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
+        for blocks in groups:
+            self.block_pool.free_blocks(b for b in reversed(blocks) if not b.is_null)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """The request's block ids, one list per group (0: the null block)."""
+        groups = self.req_to_blocks.get(request_id)
+        if groups is None:
+            return [[] for _ in self.windows]
+        return [[b.block_id for b in blocks] for blocks in groups]
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
@@ -214,8 +263,22 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
-        blocks = self.req_to_blocks[request.request_id]
-        for i in range(start, num_full):
-            if not blocks[i].is_null:  # freed (left the window) before its KV was recorded
-                self.block_pool.cache_full_block(blocks[i], request.block_hashes[i])
+        for g, blocks in enumerate(self.req_to_blocks[request.request_id]):
+            for i in range(start, num_full):
+                if not blocks[i].is_null:  # freed (left the window) before its KV was recorded
+                    self.block_pool.cache_full_block(blocks[i], group_key(request.block_hashes[i], g))
         self.num_cached_blocks[request.request_id] = num_full
+
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The prefix-cache key of a block of `group` (group 0's is the block hash itself)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
+
+
+def _runs_ending_at(blocks: list[KVCacheBlock | None]) -> list[int]:
+    """For each index, how many blocks up to and including it are all found."""
+    runs, run = [], 0
+    for b in blocks:
+        run = run + 1 if b is not None else 0
+        runs.append(run)
+    return runs

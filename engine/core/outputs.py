@@ -105,7 +105,7 @@ class NewRequestData:
     token_ids: list[int]  # prompt + outputs so far
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (engine/core/kv_layout.py)
     num_computed_tokens: int  # before this step
     cache_salt: str | None = None  # only requests of the same salt share KV (a connector's keys)
 
@@ -115,7 +115,7 @@ class CachedRequestData:
     """A request the runner already holds, continuing from the last step."""
 
     req_id: str
-    new_block_ids: list[int]  # appended to its block table
+    new_block_ids: list[list[int]]  # per KV cache group, appended to its block table
     num_computed_tokens: int  # before this step
 
 

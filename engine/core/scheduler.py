@@ -110,7 +110,7 @@ class Scheduler(KVLoads, GrammarWaits):
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_blocks: dict[str, list[int]] = {}
+        new_blocks: dict[str, list[list[int]]] = {}
         preempted: list[Request] = []
         now = time.time()
         if self.waiting_for_fsm:
@@ -157,7 +157,7 @@ class Scheduler(KVLoads, GrammarWaits):
                 and any(k > 1 for k in num_scheduled.values()))
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
-                          new_blocks: dict[str, list[int]], preempted: list[Request],
+                          new_blocks: dict[str, list[list[int]]], preempted: list[Request],
                           skip: set[str] | frozenset[str] = frozenset(),
                           only: set[str] | None = None) -> int:
         """Schedules running requests in order (those in `skip` not, or only those in `only`).
@@ -198,7 +198,7 @@ class Scheduler(KVLoads, GrammarWaits):
                     break
                 continue  # the request itself was preempted
             num_scheduled[request.request_id] = n
-            new_blocks[request.request_id] = [b.block_id for b in blocks]
+            new_blocks[request.request_id] = [[b.block_id for b in group] for group in blocks]
             budget -= n
             idx += 1
         return budget
@@ -218,7 +218,7 @@ class Scheduler(KVLoads, GrammarWaits):
         return victim
 
     def _schedule_waiting(self, budget: int, num_scheduled: dict[str, int],
-                          new_blocks: dict[str, list[int]], resumed: set[str], now: float) -> int:
+                          new_blocks: dict[str, list[list[int]]], resumed: set[str], now: float) -> int:
         """Starts waiting requests in queue order while budget, sequences and blocks last."""
         while (len(self.waiting) > 0 and budget > 0
                and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs):
@@ -256,7 +256,7 @@ class Scheduler(KVLoads, GrammarWaits):
                                            step)
         return self._start_computing(request, hits, num_hit_tokens, step)
 
-    def _start_computing(self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int,
+    def _start_computing(self, request: Request, hits: list[list[KVCacheBlock]], num_hit_tokens: int,
                          step: WaitingStep) -> int | None:
         """Everything after the prefix-cache hits is computed here."""
         n = self._num_new_tokens(request, step.budget, num_hit_tokens)
@@ -276,7 +276,7 @@ class Scheduler(KVLoads, GrammarWaits):
         return self._start_running(request, n, step.num_scheduled, step.new_blocks)
 
     def _start_running(self, request: Request, n: int, num_scheduled: dict[str, int],
-                       new_blocks: dict[str, list[int]]) -> int:
+                       new_blocks: dict[str, list[list[int]]]) -> int:
         """Moves the waiting queue's head, whose blocks are allocated, to running with `n` new
         tokens this step; returns `n`."""
         self.waiting.pop()
@@ -286,7 +286,7 @@ class Scheduler(KVLoads, GrammarWaits):
         new_blocks[request.request_id] = self.kv.get_block_ids(request.request_id)
         return n
 
-    def _build_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[int]],
+    def _build_output(self, num_scheduled: dict[str, int], new_blocks: dict[str, list[list[int]]],
                       resumed: set[str], preempted: list[Request]) -> SchedulerOutput:
         new_reqs, cached_reqs = [], []
         for req_id, _n in num_scheduled.items():

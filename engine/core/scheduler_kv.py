@@ -35,7 +35,7 @@ class WaitingStep:
 
     budget: int
     num_scheduled: dict[str, int]
-    new_blocks: dict[str, list[int]]
+    new_blocks: dict[str, list[list[int]]]
     resumed: set[str]
     now: float
 
@@ -71,7 +71,7 @@ class KVLoads:
         raise NotImplementedError
 
     def _start_running(self, request: Request, n: int, num_scheduled: dict[str, int],
-                       new_blocks: dict[str, list[int]]) -> int:
+                       new_blocks: dict[str, list[list[int]]]) -> int:
         raise NotImplementedError
 
 
@@ -86,7 +86,7 @@ class KVLoads:
         request.times.first_scheduled_time = request.times.first_scheduled_time or step.now
         return self._start_running(request, n, step.num_scheduled, step.new_blocks)
 
-    def _start_loading(self, request: Request, hits: list[KVCacheBlock], num_hit_tokens: int,
+    def _start_loading(self, request: Request, hits: list[list[KVCacheBlock]], num_hit_tokens: int,
                        num_external: int, load_async: bool, step: WaitingStep) -> int | None:
         """`num_external` tokens after the hits come from the connector: asynchronously (the
         request waits for them out of the step) or layer-wise (inside this step, which computes

@@ -9,7 +9,7 @@ backends mask by window); Gemma 3's local and global layers each get their own R
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -83,11 +83,13 @@ class CausalLM(nn.Module):
         metadata: AttentionMetadata,
         before_layer: LayerHook | None = None,
         after_layer: LayerHook | None = None,
+        layer_metadata: Sequence[AttentionMetadata] | None = None,
     ) -> torch.Tensor:
         """Runs all layers (writing each layer's new K/V into its cache); returns the
         final-normed hidden states `[num_tokens, hidden]`. `before_layer(i)` / `after_layer(i)`
         are called around layer `i` (e.g. a KV connector waiting for a layer's load, or
-        saving a layer's KV as soon as it is written)."""
+        saving a layer's KV as soon as it is written). `layer_metadata[i]`, where given, is layer
+        `i`'s (a hybrid model's KV cache groups have their own block tables); else `metadata`."""
         x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
         if self.opts.embed_scale is not None:
             x = x * torch.tensor(self.opts.embed_scale, dtype=x.dtype)
@@ -96,7 +98,8 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            x = layer(positions, x, kv_caches[i], metadata, long_tokens)
+            x = layer(positions, x, kv_caches[i],
+                      metadata if layer_metadata is None else layer_metadata[i], long_tokens)
             if after_layer is not None:
                 after_layer(i)
         return self.norm(x)

@@ -33,6 +33,9 @@ def _hf_config(arch: str) -> object:
         return transformers.LlamaConfig(**common, tie_word_embeddings=True)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    if arch == "qwen2_window":  # layer 0 full, layer 1 windowed (max_window_layers)
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=True,
+                                        sliding_window=24, max_window_layers=1)
     if arch == "mistral":
         return transformers.MistralConfig(**common, tie_word_embeddings=False, sliding_window=None)
     # Windows of 24 keys: the test prompts (up to 130 tokens) and outputs run far past them.

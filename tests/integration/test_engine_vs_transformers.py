@@ -50,7 +50,7 @@ def run_llm(model_dir: Path, mode: str, prompts: list[list[int]]) -> tuple[list[
 
     # Tiny models gain nothing from a second thread, and one thread is immune to a busy core.
     threads = 2 if (model_dir / "model.safetensors").stat().st_size > 100e6 else 1
-    llm = LLM(model=str(model_dir), num_threads=threads, **MODES[mode])
+    llm = LLM(model=str(model_dir), num_threads=threads, **_sized(model_dir, MODES[mode]))
     core = llm.engine_core
     start = core.get_stats()
     n = 2 if mode == "n2" else 1
@@ -65,6 +65,20 @@ def run_llm(model_dir: Path, mode: str, prompts: list[list[int]]) -> tuple[list[
     end = core.get_stats()
     assert end.num_free_blocks == start.num_free_blocks == end.num_total_blocks
     return [[list(c.token_ids) for c in o.outputs] for o in outs], llm
+
+
+def _sized(model_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
+    """A hybrid model's block is a page of fewer layers (engine/core/kv_layout.py): its cache
+    gets as many pages per KV cache group as the others get blocks, so it preempts alike."""
+    if "num_kv_blocks" not in options:
+        return options
+    from transformers import AutoConfig
+
+    from engine.core.kv_layout import make_layout
+    from engine.model.models import options_for
+
+    layout = make_layout(options_for(AutoConfig.from_pretrained(model_dir)).windows, True)
+    return {**options, "num_kv_blocks": 1 + (options["num_kv_blocks"] - 1) * layout.num_groups}
 
 
 # Every architecture in the modes the issue names; the two SJF modes (scheduling order only)

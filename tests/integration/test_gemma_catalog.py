@@ -86,3 +86,52 @@ def test_the_chat_template_renders_a_conversation_ending_turns_with_an_eos(folde
     ids = tokenizer(text, add_special_tokens=False).input_ids
     assert ids[0] == tokenizer.bos_token_id == 2 and ids.count(END_OF_TURN) == 3
     assert tokenizer.convert_tokens_to_ids("<end_of_turn>") == END_OF_TURN
+
+
+def test_a_long_generation_frees_the_local_layers_blocks_past_their_window(folder: Path) -> None:
+    """Gemma 3 270M (15 local layers with a 512-key window, 3 global): six KV cache groups of
+    three layers; as a 900-token prompt's generation runs, the five local groups keep only their
+    window's blocks while the global group keeps all. Greedy tokens equal transformers' and the
+    engine's with the hybrid manager off (every block kept)."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+
+    tokenizer = load_tokenizer(folder)
+    text = " ".join(f"item {i} is {i * 7 % 13} units;" for i in range(200))
+    prompt = tokenizer(text).input_ids[:900]
+    new = 100
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    outputs, held_at_end = [], []
+    for disable in (False, True):
+        llm = LLM(model=str(folder), num_threads=2, block_size=16, max_model_len=2048,
+                  disable_hybrid_kv_cache_manager=disable)
+        kv, layout = llm.engine_core.kv_cache_manager, llm.engine_core.kv_layout
+        held: list[int] = []
+        allocate = kv.allocate_slots
+
+        def recording(request: Any, *a: Any, _alloc: Any = allocate, _kv: Any = kv,
+                      _held: list[int] = held, **kw: Any) -> Any:
+            out = _alloc(request, *a, **kw)
+            _held.append(_kv.num_held_blocks(request.request_id))
+            return out
+
+        kv.allocate_slots = recording
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        outputs.append(list(out.outputs[0].token_ids))
+        # pages of layers_per_block layers, as blocks of all 18 layers
+        held_at_end.append(held[-1] * layout.layers_per_block / 18)
+        if not disable:
+            assert layout.num_groups == 6 and layout.layers_per_block == 3
+            last = len(prompt) + new - 2  # the last token computed
+            every = last // 16 + 1
+            local = last // 16 - (last - 511) // 16 + 1
+            assert held[-1] == every + 5 * local  # 63 + 5 * 33 pages of 3 layers
+            assert held[0] == 6 * -(-len(prompt) // 16)  # the prompt, before the window moved
+        llm.shutdown()
+    assert outputs[0] == outputs[1]
+    assert held_at_end[0] < 0.65 * held_at_end[1]  # 38 vs 63 blocks of all layers
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                              eos_token_id=None)[0, len(prompt):].tolist()
+    assert outputs[0] == want

@@ -1,6 +1,8 @@
 """A model whose every layer has a sliding window frees the blocks its requests' windows have
 left (vLLM's sliding-window manager), with output still equal to transformers; a hybrid model
-(Gemma 3: global layers among the local ones) keeps every block."""
+(Gemma 2/3, Qwen2 with max_window_layers: global layers among the local ones) frees its local
+layers' blocks and keeps its global layers' (vLLM's hybrid allocator, engine/core/kv_layout.py);
+a model without windows keeps every block."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ from typing import Any
 
 import pytest
 
+from engine.core.kv_layout import KVCacheLayout
 from engine.sampling_params import SamplingParams
 
 PROMPT_LEN, MAX_NEW, BLOCK = 40, 120, 16
 
 
-def _held_blocks_per_step(model_dir: Path, **kwargs: Any) -> tuple[list[int], list[int], Any]:
-    """Greedy output of one request and the blocks it held after each allocation."""
+def _held_blocks_per_step(model_dir: Path, **kwargs: Any
+                          ) -> tuple[list[int], list[int], Any, KVCacheLayout]:
+    """Greedy output of one request, the blocks it held after each allocation, its prompt and
+    the engine's KV cache layout."""
     from engine.llm import LLM
 
     llm = LLM(model=str(model_dir), num_threads=1, block_size=BLOCK, **kwargs)
@@ -35,13 +40,14 @@ def _held_blocks_per_step(model_dir: Path, **kwargs: Any) -> tuple[list[int], li
                        use_tqdm=False)[0]
     stats = llm.engine_core.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks  # nothing leaked
-    return list(out.outputs[0].token_ids), held, prompt
+    return list(out.outputs[0].token_ids), held, prompt, llm.engine_core.kv_layout
 
 
 def test_windowed_model_frees_blocks_behind_the_window(
         tiny_model_dir: Callable[[str], Path], hf_greedy: Callable[..., list[list[int]]]) -> None:
     path = tiny_model_dir("mistral_window")  # every layer: a window of 24 keys
-    tokens, held, prompt = _held_blocks_per_step(path)
+    tokens, held, prompt, layout = _held_blocks_per_step(path)
+    assert not layout.is_hybrid
     assert tokens == hf_greedy(path, [prompt], MAX_NEW)[0]
     total = -(-(PROMPT_LEN + MAX_NEW) // BLOCK)  # 10 blocks without freeing
     # at most the window's 24 positions plus the new token: 3 blocks of 16
@@ -65,8 +71,32 @@ def test_small_cache_serves_long_windowed_requests_without_preemption(
     assert sum(o.metrics.num_preemptions for o in outs) == 0
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
-def test_hybrid_or_unwindowed_models_keep_every_block(
-        arch: str, tiny_model_dir: Callable[[str], Path]) -> None:
-    _, held, _ = _held_blocks_per_step(tiny_model_dir(arch))
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "qwen2_window"])
+def test_hybrid_model_frees_only_its_windowed_layers_blocks(
+        arch: str, tiny_model_dir: Callable[[str], Path],
+        hf_greedy: Callable[..., list[list[int]]]) -> None:
+    """Gemma 2 (local, global), Gemma 3 (local, local, global) and Qwen2 (layer 0 full, layer 1
+    windowed by max_window_layers) at a window of 24 keys: each windowed group holds only its
+    window's blocks as a long generation passes the window, the full groups every block; in
+    layer-slices of KV the request ends holding less than it would without freeing."""
+    path = tiny_model_dir(arch)
+    tokens, held, prompt, layout = _held_blocks_per_step(path)
+    assert tokens == hf_greedy(path, [prompt], MAX_NEW)[0]
+    assert layout.is_hybrid
+    num_full = sum(1 for g in layout.groups if g.window is None)
+    every = -(-(PROMPT_LEN + MAX_NEW - 1) // BLOCK)  # 10: every block of the request
+    assert held[0] == layout.num_groups * -(-PROMPT_LEN // BLOCK)  # the prompt, before its window moved
+    last = PROMPT_LEN + MAX_NEW - 2  # the last token computed
+    window_blocks = [last // BLOCK - (last - g.window + 1) // BLOCK + 1
+                     for g in layout.groups if g.window is not None]
+    assert held[-1] == num_full * every + sum(window_blocks)  # the last token's window
+    bound = sum(-(-g.window // BLOCK) + 1 for g in layout.groups if g.window is not None)
+    assert max(held[1:]) <= num_full * every + bound
+    num_layers = len(layout.layer_group)
+    assert held[-1] * layout.layers_per_block < every * num_layers  # layer-slices held vs kept
+
+
+def test_models_without_windows_keep_every_block(tiny_model_dir: Callable[[str], Path]) -> None:
+    _, held, _, layout = _held_blocks_per_step(tiny_model_dir("mistral"))
+    assert not layout.is_hybrid and layout.windows == (None,)
     assert max(held) == -(-(PROMPT_LEN + MAX_NEW - 1) // BLOCK)

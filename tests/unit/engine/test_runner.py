@@ -101,9 +101,9 @@ class MiniScheduler:
                 self.send_full.discard(req_id)
                 new_reqs.append(NewRequestData(
                     req_id, list(self.tokens[req_id]), self.prompt_len[req_id],
-                    self.params[req_id], list(self.blocks[req_id]), self.computed[req_id]))
+                    self.params[req_id], [list(self.blocks[req_id])], self.computed[req_id]))
             else:
-                cached_reqs.append(CachedRequestData(req_id, fresh, self.computed[req_id]))
+                cached_reqs.append(CachedRequestData(req_id, [fresh], self.computed[req_id]))
         so = SchedulerOutput(new_reqs, cached_reqs, dict(plan), sum(plan.values()),
                              self.finished)
         self.finished = set()
@@ -170,7 +170,7 @@ def test_preempted_request_resumes_with_new_blocks(model: CausalLM, hf_model: An
     num_tokens = len(sched.tokens["a"])
     sched.step({"a": num_tokens})  # resumed: recompute everything, fresh block ids
     assert set(sched.blocks["a"]).isdisjoint(old_blocks)
-    assert runner.requests["a"].block_ids == sched.blocks["a"]
+    assert runner.requests["a"].block_ids == [sched.blocks["a"]]
     sched.decode(["a"], 3)
     assert sched.outputs["a"] == _hf_greedy(hf_model, prompt, len(sched.outputs["a"]))
 

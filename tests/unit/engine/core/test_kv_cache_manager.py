@@ -57,11 +57,11 @@ def test_a_salted_request_hits_only_blocks_of_its_own_salt() -> None:
 def test_allocate_assigns_blocks_in_free_queue_order() -> None:
     kv = KVCacheManager(num_blocks=8, block_size=4)
     req = make_request("a", list(range(10)))
-    blocks = kv.allocate_slots(req, 10)
+    blocks = (kv.allocate_slots(req, 10) or [[]])[0]
     assert [b.block_id for b in blocks] == [1, 2, 3]
     req.num_computed_tokens = 10
-    assert kv.allocate_slots(req, 2) == []  # the third block still has room
-    assert [b.block_id for b in kv.allocate_slots(req, 3)] == [4]
+    assert kv.allocate_slots(req, 2) == [[]]  # the third block still has room
+    assert [b.block_id for b in (kv.allocate_slots(req, 3) or [[]])[0]] == [4]
     assert kv.num_free_blocks == 3
 
 
@@ -69,7 +69,7 @@ def test_allocate_returns_none_and_changes_nothing_when_it_does_not_fit() -> Non
     kv = KVCacheManager(num_blocks=4, block_size=4)
     assert kv.allocate_slots(make_request("a", list(range(13))), 13) is None
     assert kv.num_free_blocks == 3
-    assert kv.get_block_ids("a") == []
+    assert kv.get_block_ids("a") == [[]]
 
 
 def test_prefix_hit_reuses_full_blocks_and_leaves_the_last_token_to_compute() -> None:
@@ -79,11 +79,11 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_the_last_token_to_compute() ->
     b = make_request("b", list(range(12)))
     hits, n = kv.get_computed_blocks(b)
     # 12 tokens = 3 full blocks, but the last token must be computed: 2 blocks hit.
-    assert [h.block_id for h in hits] == [1, 2] and n == 8
+    assert [h.block_id for h in hits[0]] == [1, 2] and n == 8
     new = kv.allocate_slots(b, 4, n, hits)
-    assert [blk.block_id for blk in new] == [4]
-    assert kv.get_block_ids("b") == [1, 2, 4]
-    assert [blk.ref_cnt for blk in hits] == [2, 2]
+    assert new is not None and [blk.block_id for blk in new[0]] == [4]
+    assert kv.get_block_ids("b") == [[1, 2, 4]]
+    assert [blk.ref_cnt for blk in hits[0]] == [2, 2]
 
 
 def test_freed_request_blocks_stay_cached_and_tail_blocks_are_evicted_first() -> None:
@@ -95,9 +95,9 @@ def test_freed_request_blocks_stay_cached_and_tail_blocks_are_evicted_first() ->
     assert kv.block_pool.free_block_queue.block_ids() == [4, 5, 6, 3, 2, 1]
     b = make_request("b", [*list(range(12)), 99])
     hits, n = kv.get_computed_blocks(b)
-    assert [h.block_id for h in hits] == [1, 2, 3] and n == 12
+    assert [h.block_id for h in hits[0]] == [1, 2, 3] and n == 12
     assert kv.allocate_slots(b, 1, n, hits) is not None
-    assert kv.get_block_ids("b") == [1, 2, 3, 4]
+    assert kv.get_block_ids("b") == [[1, 2, 3, 4]]
     assert kv.block_pool.free_block_queue.block_ids() == [5, 6]
 
 
@@ -110,7 +110,7 @@ def test_hits_on_free_blocks_count_against_what_fits() -> None:
     hits, n = kv.get_computed_blocks(b)
     assert n == 8
     assert kv.allocate_slots(b, 9, n, hits) is None
-    assert kv.num_free_blocks == 3 and all(h.ref_cnt == 0 for h in hits)
+    assert kv.num_free_blocks == 3 and all(h.ref_cnt == 0 for h in hits[0])
 
 
 def test_eviction_drops_the_hash_of_a_reallocated_block() -> None:
@@ -122,7 +122,7 @@ def test_eviction_drops_the_hash_of_a_reallocated_block() -> None:
     kv.allocate_slots(c, 8)  # takes both blocks, evicting a's cached first block
     kv.free(c)
     hits, n = kv.get_computed_blocks(make_request("d", [1, 2, 3, 4, 5]))
-    assert hits == [] and n == 0
+    assert hits == [[]] and n == 0
 
 
 def test_prefix_caching_off_never_hits() -> None:

@@ -24,20 +24,21 @@ class Loading(KVConnectorScheduler):
     """Offers every prompt but its last token from the 'store', loaded asynchronously."""
 
     def __init__(self) -> None:
-        self.block_ids: dict[str, list[int]] = {}
+        self.block_ids: dict[str, list[int]] = {}  # the one group's
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
         return request.num_tokens - 1 - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+    def update_state_after_alloc(self, request: Request, block_ids: list[list[int]],
                                  num_external_tokens: int) -> None:
-        self.block_ids[request.request_id] = list(block_ids)
+        self.block_ids[request.request_id] = list(block_ids[0])
 
     def build_connector_meta(self, scheduler_output: Any) -> None:
         return None
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[list[int]]
+                         ) -> tuple[bool, dict[str, Any] | None]:
         return False, None
 
 
