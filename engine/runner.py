@@ -26,6 +26,7 @@ from engine.core.outputs import (
     SchedulerOutput,
 )
 from engine.cuda_graphs import DecodeGraphs
+from engine.sample.logprobs import sampled_logprobs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.prompt_logprobs import prompt_logprobs
 from engine.sample.sampler import ArgmaxFix, Sampler, SamplerOutput
@@ -391,30 +392,8 @@ class ModelRunner:
     ) -> None:
         """Appends each sampled token to its request and fills the per-request outputs."""
         token_ids = out.sampled_token_ids.tolist()
-        entries = _logprobs_entries(out, states, token_ids)
+        entries = sampled_logprobs([s.sampling_params.logprobs for s in states], out, token_ids)
         for row, (i, state) in enumerate(zip(batch.sample_req_idx, states, strict=True)):
             state.append_token(token_ids[row])
             sampled[i] = [token_ids[row]]
             logprobs[i] = entries[row]
-
-
-def _logprobs_entries(
-    out: SamplerOutput, states: list[RequestState], token_ids: list[int]
-) -> list[LogprobsEntry | None]:
-    if out.logprobs is None:
-        return [None] * len(states)
-    lp = out.logprobs
-    top_ids, top_lps = lp.top_token_ids.tolist(), lp.top_logprobs.tolist()
-    sampled_lps, ranks = lp.sampled_logprobs.tolist(), lp.sampled_ranks.tolist()
-    entries: list[LogprobsEntry | None] = []
-    for row, state in enumerate(states):
-        n = state.sampling_params.logprobs
-        if n is None:
-            entries.append(None)
-            continue
-        entries.append(LogprobsEntry(
-            token_ids=[token_ids[row], *top_ids[row][:n]],
-            logprobs=[sampled_lps[row], *top_lps[row][:n]],
-            sampled_rank=ranks[row],
-        ))
-    return entries

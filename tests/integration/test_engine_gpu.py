@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from tests.integration.test_engine_vs_transformers import ARCHS, MAX_NEW, MODES, greedy, tiny_prompts
+from tests.integration.test_engine_vs_transformers import (
+    ARCHS,
+    MAX_NEW,
+    MODES,
+    greedy,
+    sized,
+    tiny_prompts,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +51,8 @@ def hf_greedy_cuda() -> Callable[[Path, list[list[int]], int], list[list[int]]]:
 
 @pytest.mark.parametrize("eager", [False, True], ids=["cudagraphs", "eager"])
 @pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize("arch", ARCHS)  # every architecture: windows, capping, MoE (fused Triton)
+@pytest.mark.parametrize("arch", ARCHS)  # every architecture: windows, hybrid KV cache groups
+# (Gemma 2/3: per-group block tables in the CUDA graphs), capping, MoE (fused Triton)
 def test_gpu_engine_matches_transformers(arch: str, mode: str, eager: bool,
                                          tiny_model_dir: Callable[[str], Path],
                                          hf_greedy_cuda: Callable[..., list[list[int]]]) -> None:
@@ -53,7 +61,7 @@ def test_gpu_engine_matches_transformers(arch: str, mode: str, eager: bool,
     path = tiny_model_dir(arch)
     prompts = tiny_prompts()
     expected = hf_greedy_cuda(path, prompts, MAX_NEW)
-    kwargs = dict(MODES[mode])
+    kwargs = sized(path, dict(MODES[mode]))  # hybrid models: their KV cache groups' pages
     if "num_kv_blocks" not in kwargs:
         kwargs["kv_cache_gib"] = 0.25
     llm = LLM(model=str(path), device="cuda", enforce_eager=eager, max_num_seqs=16, **kwargs)

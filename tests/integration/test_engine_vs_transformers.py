@@ -50,7 +50,7 @@ def run_llm(model_dir: Path, mode: str, prompts: list[list[int]]) -> tuple[list[
 
     # Tiny models gain nothing from a second thread, and one thread is immune to a busy core.
     threads = 2 if (model_dir / "model.safetensors").stat().st_size > 100e6 else 1
-    llm = LLM(model=str(model_dir), num_threads=threads, **_sized(model_dir, MODES[mode]))
+    llm = LLM(model=str(model_dir), num_threads=threads, **sized(model_dir, MODES[mode]))
     core = llm.engine_core
     start = core.get_stats()
     n = 2 if mode == "n2" else 1
@@ -67,7 +67,7 @@ def run_llm(model_dir: Path, mode: str, prompts: list[list[int]]) -> tuple[list[
     return [[list(c.token_ids) for c in o.outputs] for o in outs], llm
 
 
-def _sized(model_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
+def sized(model_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
     """A hybrid model's block is a page of fewer layers (engine/core/kv_layout.py): its cache
     gets as many pages per KV cache group as the others get blocks, so it preempts alike."""
     if "num_kv_blocks" not in options:
