@@ -316,10 +316,13 @@ def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int,
     needed = layout.blocks_for_one_request(config.model_len, config.block_size,
                                            config.max_num_batched_tokens)
     if num_blocks - 1 < needed:
+        pages = ("" if not layout.is_hybrid else
+                 f"; this hybrid model's blocks are pages of {layout.layers_per_block} layers, "
+                 f"{layout.num_groups} KV cache groups each taking their own")
         raise ValueError(
             f"the KV cache ({num_blocks - 1} usable blocks of {config.block_size} tokens) cannot "
-            f"hold one request of max_model_len={config.model_len} ({needed} blocks): raise "
-            f"kv_cache_gib / num_kv_blocks or lower max_model_len")
+            f"hold one request of max_model_len={config.model_len} ({needed} blocks{pages}): "
+            f"raise kv_cache_gib / num_kv_blocks or lower max_model_len")
 
 
 def _eos_token_id(hf_config: object) -> int | None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from engine.sampling_params import SamplingParams
+from tests.integration.kv_util import pages_like
 
 TINY_LENS = [1, 5, 16, 17, 33, 64, 100, 130]
 MAX_NEW = 64
@@ -72,13 +73,7 @@ def sized(model_dir: Path, options: dict[str, Any]) -> dict[str, Any]:
     gets as many pages per KV cache group as the others get blocks, so it preempts alike."""
     if "num_kv_blocks" not in options:
         return options
-    from transformers import AutoConfig
-
-    from engine.core.kv_layout import make_layout
-    from engine.model.models import options_for
-
-    layout = make_layout(options_for(AutoConfig.from_pretrained(model_dir)).windows, True)
-    return {**options, "num_kv_blocks": 1 + (options["num_kv_blocks"] - 1) * layout.num_groups}
+    return {**options, "num_kv_blocks": pages_like(model_dir, options["num_kv_blocks"])}
 
 
 # Every architecture in the modes the issue names; the two SJF modes (scheduling order only)

@@ -16,11 +16,12 @@ from engine.config import EngineConfig
 from kvstore.service import KVStoreService, StoreOptions
 from services.procs import free_port
 from services.worker.server import ROLES, WorkerOptions, WorkerRole, WorkerServer
+from tests.integration.kv_util import pages_like
 
 
 def engine_config(model_dir: Path, kv_store_url: str) -> EngineConfig:
-    return EngineConfig(model=str(model_dir), num_threads=1, max_model_len=512, num_kv_blocks=96,
-                        kv_store_url=kv_store_url)
+    return EngineConfig(model=str(model_dir), num_threads=1, max_model_len=512,
+                        num_kv_blocks=pages_like(model_dir, 96), kv_store_url=kv_store_url)
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,10 @@ def expected(prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def routers(workers: dict[str, WorkerServer], model_dir: Path) -> Iterator[tuple[ServedRouter, ...]]:
+def routers(expected: list[list[int]], workers: dict[str, WorkerServer], model_dir: Path
+            ) -> Iterator[tuple[ServedRouter, ...]]:
+    """Started after transformers' reference run: that holds this loop's thread for a minute,
+    in which the workers (on the same loop) could not answer the router's load reports."""
     split = DispatchOptions(prefill=(workers["prefill"].target,), decode=(workers["decode"].target,),
                             decode_timeout_s=120)
     colocated = DispatchOptions(decode=(workers["colocated"].target,), decode_timeout_s=120)
