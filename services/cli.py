@@ -37,7 +37,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                        help="a hybrid model (Gemma 2/3: windowed and full layers) keeps every "
                             "layer's blocks for the whole request, as a model without windows "
-                            "(default: its windowed layers free what their window has left)"),
+                            "(default: its windowed layers free what their window has left)")
     group.add_argument("--num-kv-blocks", type=int, default=None)
     group.add_argument("--num-threads", type=int, default=None)
     group.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -277,7 +278,9 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         plan = [(layer, c) for layer in range(len(self.kv_caches)) for c in self._chunks(spec, layer)]
         keys = [f"{spec.chunk_keys[c]}@{layer}" for layer, c in plan]
         try:
-            for i, obj in self._load_client.get_stream(keys, batch=max(1, len(self._chunks(spec, 0)))):
+            # over Flight, a layer's objects in one call (the most chunks any layer loads)
+            batch = max(Counter(layer for layer, _ in plan).values(), default=1)
+            for i, obj in self._load_client.get_stream(keys, batch=batch):
                 layer, c = plan[i]
                 self._apply(spec, layer, c, obj, state)
         except Exception as exc:  # store unreachable etc.: nothing loaded
@@ -384,7 +387,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                 for c in self._chunks(spec, layer)]
         last = {layer: i for i, (layer, _, _) in enumerate(plan)}  # layer l is complete at its
         # last key (a layer with none, nothing to load, completes with the one before it)
-        per_layer = max(1, len(plan) // max(1, len(events)))
+        per_layer = max(Counter(layer for layer, _, _ in plan).values(), default=1)
 
         def run() -> None:
             done = 0  # layers whose event is set

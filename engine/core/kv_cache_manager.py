@@ -67,6 +67,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  sliding_window: int | None = None,
                  group_windows: Sequence[int | None] | None = None) -> None:
+        if group_windows is not None and sliding_window is not None:
+            raise ValueError("give sliding_window (one group) or group_windows, not both")
         windows = tuple(group_windows) if group_windows is not None else (sliding_window,)
         if not windows:
             raise ValueError("at least one KV cache group is needed")
@@ -107,13 +109,19 @@ class KVCacheManager:
         self._update_block_hashes(request)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
         pool = self.block_pool
-        found = [[pool.get_cached_block(group_key(h, g)) for h in hashes]
-                 for g in range(self.num_groups)]
+        found: list[list[KVCacheBlock | None]] = [[] for _ in self.windows]
         length = len(hashes)
         for g, window in enumerate(self.windows):
-            if window is None:  # a kept group: its leading run of hits
-                length = min(length, next((i for i, b in enumerate(found[g]) if b is None), length))
+            if window is None:  # a kept group: its leading run of hits (stops at the first miss)
+                for i, h in enumerate(hashes[:length]):
+                    block = pool.get_cached_block(group_key(h, g))
+                    if block is None:
+                        length = i
+                        break
+                    found[g].append(block)
         windowed = [g for g, w in enumerate(self.windows) if w is not None]
+        for g in windowed:  # within what the kept groups allow
+            found[g] = [pool.get_cached_block(group_key(h, g)) for h in hashes[:length]]
         runs = {g: _runs_ending_at(found[g][:length]) for g in windowed}
         while length > 0 and not all(
                 runs[g][length - 1] >= length - self._first_useful(g, length * self.block_size)
@@ -184,9 +192,12 @@ class KVCacheManager:
         if num_new_total > self.block_pool.num_free_blocks - num_free_hits:
             return None
         null = self.block_pool.null_block
+        # Every group's hits leave the free queue before any group takes new blocks from it: a
+        # later group's hit must never be handed out as an earlier group's new block.
+        for _, kept, _, _ in plans:
+            self.block_pool.touch(b for b in kept if not b.is_null)
         new_blocks = []
         for g, (num_null_hits, kept, num_skipped, num_new) in enumerate(plans):
-            self.block_pool.touch(b for b in kept if not b.is_null)
             new = self.block_pool.get_new_blocks(num_new)
             req_blocks[g].extend([null] * num_null_hits + kept + [null] * num_skipped + new)
             new_blocks.append(new)
@@ -223,6 +234,17 @@ class KVCacheManager:
     def has_null_blocks(self, request_id: str) -> bool:
         """Whether some of the request's blocks were freed or never allocated (a window)."""
         return any(b.is_null for blocks in self.req_to_blocks.get(request_id, []) for b in blocks)
+
+    def window_has_null_blocks(self, request_id: str, num_computed: int) -> bool:
+        """Whether the token at `num_computed` would see a null block: in some windowed group,
+        a block in its window was never allocated (a load planned to end later, cut short)."""
+        groups = self.req_to_blocks.get(request_id, [])
+        for g, blocks in enumerate(groups):
+            first = self._first_useful(g, num_computed)
+            last = min(len(blocks), num_computed // self.block_size + 1)
+            if any(b.is_null for b in blocks[first:last]):
+                return True
+        return False
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds in all groups (null blocks standing in for freed ones not

@@ -180,7 +180,8 @@ class KVLoads:
             loaded_end = planned
             if req_id in output.valid_loaded_tokens:
                 loaded_end = min(loaded_end, output.valid_loaded_tokens[req_id])
-            if loaded_end < planned and self.kv.has_null_blocks(request.request_id):
+            if loaded_end < planned and self.kv.window_has_null_blocks(request.request_id,
+                                                                        loaded_end):
                 # A windowed load cut short: the tokens to compute now would see positions in
                 # the blocks the window let it skip (never allocated): start again, locally.
                 self.kv.free(request)

@@ -29,7 +29,7 @@ class FragileConnector(KVConnectorScheduler):
             raise TypeError("'int' object is not iterable")
         return (8, True) if "alloc" in request.request_id else (0, False)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+    def update_state_after_alloc(self, request: Request, block_ids: list[list[int]],
                                  num_external_tokens: int) -> None:
         if "alloc" in request.request_id:
             raise KeyError("keys")
@@ -37,7 +37,8 @@ class FragileConnector(KVConnectorScheduler):
     def build_connector_meta(self, scheduler_output: Any) -> None:
         return None
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[list[int]]
+                         ) -> tuple[bool, dict[str, Any] | None]:
         self.finished.append(request.request_id)
         if "finish" in request.request_id:
             raise ValueError("lease failed")

@@ -97,3 +97,34 @@ def test_loaded_tokens_fill_every_full_block_and_only_the_window_of_the_rest() -
     request.num_computed_tokens = 29
     kv.cache_blocks(request, 29)  # full blocks 0..6 of the full group, block 6 of each windowed
     assert kv.num_prefix_cached_blocks == 7 + 1 + 1
+
+
+def test_a_later_groups_hit_is_never_handed_out_as_an_earlier_groups_new_block() -> None:
+    """Found in review: with the free queue full of cached blocks, group 0's new blocks were
+    taken before group 1's hits left the queue, so a page of group 1's prefix became group 0's
+    new block too (two groups writing one page: wrong tokens)."""
+    kv = KVCacheManager(num_blocks=11, block_size=BLOCK, group_windows=(None, 8))
+    a = Request("A", list(range(12)), SamplingParams(max_tokens=4))
+    assert kv.allocate_slots(a, 12) is not None
+    a.num_computed_tokens = 12
+    kv.free(a)
+    c = Request("C", list(range(100, 108)), SamplingParams(max_tokens=4))
+    assert kv.allocate_slots(c, 8) is not None
+    kv.free(c)
+    b = Request("B", [*range(12), 50, 51, 52, 53, 54], SamplingParams(max_tokens=4))
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 12
+    assert kv.allocate_slots(b, 17 - n, n, hits) is not None
+    pages = [i for ids in kv.get_block_ids("B") for i in ids if i != 0]
+    assert len(pages) == len(set(pages))
+    assert all(blk.ref_cnt <= 1 for blk in kv.block_pool.blocks)
+
+
+def test_a_cut_short_load_restarts_only_when_the_window_meets_a_null_block() -> None:
+    kv = KVCacheManager(num_blocks=64, block_size=BLOCK, group_windows=GROUPS)
+    request = _request("a", 30)
+    assert kv.allocate_slots(request, 29, cache=False, num_external_tokens=29) is not None
+    # blocks 0..5 of the windowed groups are null: a load cut at 27 (token 27 sees 24..27, in
+    # block 6) computes on; one cut at 24 (21..24: block 5) starts again
+    assert not kv.window_has_null_blocks("a", 29) and not kv.window_has_null_blocks("a", 27)
+    assert kv.window_has_null_blocks("a", 24) and kv.window_has_null_blocks("a", 20)
