@@ -206,6 +206,7 @@ class EngineCore:
             prefix_cache_queries=kv.stats.queries,
             prefix_cache_hits=kv.stats.hits,
             block_size=self.config.block_size,
+            block_layer_share=self.kv_layout.layers_per_block / len(self.kv_layout.layer_group),
             max_model_len=self.config.model_len,
             num_cached_blocks=kv.num_prefix_cached_blocks,
             num_prompt_tokens=counters.prompt_tokens,

@@ -224,7 +224,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_usage", "role", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_cached_blocks", "num_prompt_tokens", "busy_seconds", "serving", "not_serving_reason", "instance_id", "max_model_len")
+    __slots__ = ("num_waiting", "num_running", "kv_usage", "role", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_cached_blocks", "num_prompt_tokens", "busy_seconds", "serving", "not_serving_reason", "instance_id", "max_model_len", "block_layer_share")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class LoadReport(_message.Message):
     NOT_SERVING_REASON_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_LAYER_SHARE_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_usage: float
@@ -255,4 +256,5 @@ class LoadReport(_message.Message):
     not_serving_reason: str
     instance_id: str
     max_model_len: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., role: _Optional[_Union[Role, str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    block_layer_share: float
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., role: _Optional[_Union[Role, str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_layer_share: _Optional[float] = ...) -> None: ...

@@ -281,6 +281,9 @@ class EngineStats:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # tokens found
     block_size: int = 16
+    # the share of the model's layers one block holds: 1, but for a hybrid model's pages
+    # (layers_per_block / num_layers, engine/core/kv_layout.py)
+    block_layer_share: float = 1.0
     max_model_len: int = 0
     num_cached_blocks: int = 0  # blocks findable in the prefix cache (in use or free)
     num_prompt_tokens: int = 0  # prompts of requests that produced a first token

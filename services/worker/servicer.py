@@ -182,7 +182,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 num_free_blocks=stats.num_free_blocks, num_total_blocks=stats.num_total_blocks,
                 prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
                 num_cached_blocks=stats.num_cached_blocks, num_prompt_tokens=stats.num_prompt_tokens,
-                busy_seconds=stats.step_seconds.total, max_model_len=stats.max_model_len))
+                busy_seconds=stats.step_seconds.total, max_model_len=stats.max_model_len,
+                block_layer_share=stats.block_layer_share))
         return report
 
     async def snapshot(self, wait_s: float) -> EngineStats | None:

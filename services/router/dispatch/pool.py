@@ -109,7 +109,9 @@ class WorkerState:
         load = self.load
         reported = 0
         if load is not None:
-            used = (int(load.num_total_blocks) - int(load.num_free_blocks)) * block_size
+            # in tokens of every layer: a hybrid model's blocks are pages of some of its layers
+            share = float(load.block_layer_share) or 1.0
+            used = round((int(load.num_total_blocks) - int(load.num_free_blocks)) * block_size * share)
             reported = max(0, used + int(load.num_waiting) * prompt_tokens - self.freed_since_report)
         return reported + self.unreported * prompt_tokens
 

@@ -366,3 +366,22 @@ async def test_a_worker_that_says_it_does_not_serve_is_unhealthy_and_its_calls_a
         assert told[-1] == (w.target, "UNAVAILABLE: reset", True)  # unreachable: streams end too
     finally:
         await pool.close()
+
+
+async def test_a_hybrid_models_pages_count_as_their_share_of_every_layer() -> None:
+    """Gemma 3 270M's blocks are pages of 3 of its 18 layers (engine/core/kv_layout.py): 60 pages
+    in use hold 160 tokens of every layer, not 960; an older worker's report (no share) counts
+    whole blocks."""
+    pool = await make_pool("prefix_aware", [(0, 0)])
+    worker = pool.workers[0]
+    answer = report(0, 1, used_blocks=60)
+    answer.block_layer_share = 3 / 18
+    worker.client.load = lambda: _answer(answer)  # type: ignore[method-assign]
+    try:
+        await pool.refresh()
+        assert worker.held_tokens(16, 62) == 160
+        answer.block_layer_share = 0.0
+        await pool.refresh()
+        assert worker.held_tokens(16, 62) == 960
+    finally:
+        await pool.close()
