@@ -21,6 +21,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -132,10 +133,11 @@ def throughput_row(label: str, folder: Path, args: argparse.Namespace) -> list[o
             f"{same}/{len(prompts)} identical"]
 
 
-def blocks_held(folder: Path, args: argparse.Namespace, **engine: Any) -> tuple[float, float, float]:
+def blocks_held(folder: Path, args: argparse.Namespace, **engine: Any
+                ) -> tuple[float, float, float, float]:
     """(mean over requests of the most blocks each held, of the blocks each held at its last
-    step, most blocks in use at once), in blocks of every layer: a hybrid model's pages hold
-    fewer layers (engine/core/kv_layout.py), counted as that share of a block."""
+    step, most blocks in use at once, seconds of the run), in blocks of every layer: a hybrid
+    model's pages hold fewer layers (engine/core/kv_layout.py), counted as that share of a block."""
     from engine.llm import LLM
     from engine.sampling_params import SamplingParams
 
@@ -161,11 +163,13 @@ def blocks_held(folder: Path, args: argparse.Namespace, **engine: Any) -> tuple[
     kv.allocate_slots = recording  # type: ignore[method-assign]
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab_size(folder),
                              args.seed)
+    start = time.perf_counter()
     llm.generate(prompts, SamplingParams(max_tokens=args.output_len, temperature=0.0,
                                          ignore_eos=True), use_tqdm=False)
+    seconds = time.perf_counter() - start
     llm.shutdown()
     return (share * sum(most.values()) / len(most), share * sum(last.values()) / len(last),
-            share * peak[0])
+            share * peak[0], seconds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -202,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(["hybrid: most a request held / most in use at once",
                          f"{on[0]:.1f} / {on[2]:.0f}", f"{off[0]:.1f} / {off[2]:.0f} (off)",
                          f"{off[0] / on[0]:.2f}x / {off[2] / on[2]:.2f}x", "-"])
+            rows.append(["hybrid: engine seconds for the workload (one group per kind vs one)",
+                         f"{on[3]:.1f} s", f"{off[3]:.1f} s (off)", f"{off[3] / on[3]:.2f}x", "-"])
     print(f"workload A: {args.num_prompts} prompts of {args.min_len}..{args.max_len} random ids, "
           f"{args.output_len} new tokens each, greedy, ignore EOS, fp32; median of {args.repeats} "
           f"run(s); transformers in static batches of {args.hf_batch_size}")
