@@ -300,10 +300,12 @@ def _add_router(subparsers: Any) -> None:
                    help="a Jinja chat template replacing the tokenizer's: a file, or one pdserve ships "
                         "(hermes_tools: ChatML with Hermes tool calls, for the default model); '' = the "
                         "tokenizer's own")
-    t.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+    t.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "phi4_mini_json"],
                    help="how the tool calls a model writes are found (vLLM's names): hermes "
                         "(<tool_call>{...}</tool_call>: Qwen), llama3_json (bare JSON: Llama 3.x), "
-                        "mistral ([TOOL_CALLS][...]: Mistral, Mixtral)")
+                        "mistral ([TOOL_CALLS][...] or [TOOL_CALLS]name[ARGS]{...}: Mistral, Mixtral), "
+                        "phi4_mini_json (functools[...]: Phi-4-mini)")
     t.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='serve tool_choice "auto" (the default with tools); needs --tool-call-parser')
     t.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],

@@ -108,9 +108,11 @@ def add_up_parser(subparsers: Any) -> None:
                    help="router: the chat template (default: hermes_tools, shipped with pdserve, for the "
                         "default model; the tokenizer's own for any other; '' = the tokenizer's own); "
                         "tool calls are parsed with the hermes parser, tool_choice \"auto\" enabled")
-    p.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+    p.add_argument("--tool-call-parser", default=None,
+                   choices=["hermes", "llama3_json", "mistral", "phi4_mini_json"],
                    help="router: how tool calls are found in replies (vLLM's names); default: the "
-                        "model family's (llama3_json for Llama, mistral for Mistral/Mixtral, else hermes)")
+                        "model family's (llama3_json for Llama, mistral for Mistral/Mixtral, "
+                        "phi4_mini_json for Phi-3/Phi-4-mini, else hermes)")
     p.add_argument("--reasoning-parser", default=None, choices=["qwen3", "deepseek_r1"],
                    help="router: split chat replies' <think>...</think> into reasoning (vLLM's flag; "
                         "qwen3 for Qwen3 models, deepseek_r1 for DeepSeek-R1 and QwQ); default: off")
@@ -301,8 +303,9 @@ def _tool_args(args: argparse.Namespace, folder: str) -> list[str]:
 
 def default_tool_parser(model: str, folder: str) -> str:
     """The tool-call format of the model's family, as vLLM's docs pair them: Llama 3.x writes
-    bare JSON (llama3_json), Mistral and Mixtral `[TOOL_CALLS][...]` (mistral), Qwen and the
-    default model (pdserve's template) Hermes tags."""
+    bare JSON (llama3_json), Mistral and Mixtral `[TOOL_CALLS]...` (mistral), Phi-4-mini
+    (`Phi3ForCausalLM`) `functools[...]` (phi4_mini_json), Qwen and the default model (pdserve's
+    template) Hermes tags."""
     import json
 
     if is_default_model(model):
@@ -314,6 +317,8 @@ def default_tool_parser(model: str, folder: str) -> str:
     arch = " ".join(config.get("architectures") or [])
     if "Mistral" in arch or "Mixtral" in arch:
         return "mistral"
+    if "Phi3ForCausalLM" in arch:
+        return "phi4_mini_json"
     return "llama3_json" if "Llama" in arch else "hermes"
 
 

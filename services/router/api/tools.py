@@ -26,7 +26,7 @@ from typing import Any
 
 from engine.structured.params import StructuredOutputsParams
 from engine.structured.select import choose_backend
-from services.router.api.json_tool_parsers import Llama3JsonParser, MistralParser
+from services.router.api.json_tool_parsers import Llama3JsonParser, MistralParser, Phi4MiniJsonParser
 from services.router.api.openai_models import ChatCompletionRequest
 from services.router.api.tool_fields import NamedToolChoice, Tool
 from services.router.api.tool_parser import (
@@ -40,7 +40,11 @@ from services.router.api.tool_parser import (
 )
 from services.router.errors import OpenAIError
 
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+# --tool-call-parser (vLLM's names): how "auto" finds the calls in a reply's text.
+_PARSERS: dict[str, Callable[[], ToolParser]] = {
+    "hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
+    "phi4_mini_json": Phi4MiniJsonParser}
+TOOL_CALL_PARSERS = tuple(_PARSERS)
 # Parsers whose tags are special tokens: requests parsed by them keep special tokens in the text.
 SPECIAL_TOKEN_PARSERS = ("mistral",)
 Choose = Callable[[StructuredOutputsParams], StructuredOutputsParams]
@@ -84,9 +88,7 @@ class ToolPlan:
             return NamedParser(self.name)
         if self.choice == "required":
             return RequiredParser()
-        if self.parser_name == "llama3_json":
-            return Llama3JsonParser()
-        return MistralParser() if self.parser_name == "mistral" else HermesParser()
+        return _PARSERS.get(self.parser_name, HermesParser)()
 
     @property
     def keeps_special_tokens(self) -> bool:

@@ -94,7 +94,8 @@ def routers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serv
                "deepseek_r1": config(reasoning_parser="deepseek_r1"), "off": config(),
                # the other tool-call formats (no reasoning parser)
                "llama3_json": config(tool_call_parser="llama3_json", enable_auto_tool_choice=True),
-               "mistral": config(tool_call_parser="mistral", enable_auto_tool_choice=True)}
+               "mistral": config(tool_call_parser="mistral", enable_auto_tool_choice=True),
+               "phi4_mini_json": config(tool_call_parser="phi4_mini_json", enable_auto_tool_choice=True)}
     with contextlib.ExitStack() as stack:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(router_app, "Dispatcher", ScriptedDispatcher)
@@ -157,6 +158,13 @@ CASES: list[tuple[str, str, dict[str, Any], Reply]] = [
     ("llama3_json", "It is sunny in Paris.", {"tools": TOOLS}, (None, "It is sunny in Paris.", [], "stop")),
     ("mistral", 'Checking.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
      {"tools": TOOLS}, (None, "Checking.", [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+     {"tools": TOOLS},  # the v11 form
+     (None, None, [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Oslo"}')], "tool_calls")),
+    ("phi4_mini_json", 'functools[{"name": "get_weather", "arguments": {"city": "Paris"}}]', {"tools": TOOLS},
+     (None, None, [("get_weather", '{"city": "Paris"}')], "tool_calls")),
+    ("phi4_mini_json", "It is sunny in Paris.", {"tools": TOOLS},
+     (None, "It is sunny in Paris.", [], "stop")),
 ]
 
 
