@@ -71,17 +71,30 @@ class _Calls(Protocol):
     def rest(self) -> str: ...
 
 
-class _JsonCalls:
+class _CallsText:
+    """A reply's calls part as it arrives: the text, how far the calls used it, and whether
+    they ended (what follows is content)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.pos = 0  # used up to here
+        self.closed = False
+        self.calls = 0
+
+    def rest(self) -> str:
+        """What never formed a call: content."""
+        text = self.text[self.pos:]
+        return text if text.strip() else ""
+
+
+class _JsonCalls(_CallsText):
     """The calls part: objects one after another, between `separators`, optionally inside one
     array (`array=True`). Keeps the text it could not use for the end."""
 
     def __init__(self, array: bool, separators: str, call: CallOf = _call) -> None:
+        super().__init__()
         self.array, self.separators, self.call = array, separators, call
-        self.text = ""
-        self.pos = 0  # used up to here
-        self.opened = not array  # the array's "[" was seen
-        self.closed = False  # the array's "]" (or a non-call) was seen: the rest is content
-        self.calls = 0
+        self.opened = not array  # the array's "[" was seen; closed: its "]" (or a non-call)
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
@@ -117,22 +130,12 @@ class _JsonCalls:
             self.calls += 1
         return events
 
-    def rest(self) -> str:
-        """What never formed a call: content."""
-        text = self.text[self.pos:]
-        return text if text.strip() else ""
 
-
-class _MistralNamedCalls:
+class _MistralNamedCalls(_CallsText):
     """Mistral's v11 form: `[TOOL_CALLS]name[ARGS]{...}`, again for each call, from the first
     tag on. A call whose name or arguments do not parse ends the calls: it and what follows are
-    content (vLLM's returns such a call with its arguments as written)."""
-
-    def __init__(self) -> None:
-        self.text = ""
-        self.pos = 0  # the next call's tag (or whitespace before it) starts here
-        self.closed = False
-        self.calls = 0
+    content (vLLM's returns such a call with its arguments as written). `pos`: where the next
+    call's tag (or the whitespace before it) starts."""
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
@@ -160,10 +163,6 @@ class _MistralNamedCalls:
             events += _calls_events(self.calls, (head[1], json.dumps(obj, ensure_ascii=False)))
             self.calls += 1
         return events
-
-    def rest(self) -> str:
-        text = self.text[self.pos:]
-        return text if text.strip() else ""
 
 
 class Llama3JsonParser:
