@@ -12,7 +12,8 @@
 #   - TLS: the *.crt files of the local CA folder (/usr/local/share/ca-certificates) are copied
 #     into docker/certs/ (gitignored) and trusted inside the image.
 # Environment: PDSERVE_IMAGE, PDSERVE_REDIS_IMAGE (tags), PDSERVE_BASE_IMAGE, PDSERVE_BUILD_BASE,
-# LOCAL_CA_DIR, DOCKER_BUILD_EXTRA (extra `docker build` arguments, e.g. --no-cache).
+# LOCAL_CA_DIR, DOCKER_BUILD_EXTRA (extra `docker build` arguments, e.g. --no-cache),
+# PDSERVE_BUILD_CACHE_KEEP (build cache kept after pruning, default 6GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -135,6 +136,19 @@ build() {  # $1 = tag, $2 = Dockerfile, rest = extra arguments
     -t "$tag" -f "$file" . || die "building $tag failed"
   say "built $tag in $(( $(now) - t0 )) s: $(docker image inspect -f '{{.Size}}' "$tag" | awk '{printf "%.0f MB", $1 / 1e6}')"
 }
+# Every rebuild after a source change leaves the previous image untagged and its layers in the
+# build cache (~3 GB each): on a machine that builds again and again (CI) that filled the disk.
+# Untagged images go, and the build cache keeps only its most recently used $KEEP_CACHE.
+KEEP_CACHE=${PDSERVE_BUILD_CACHE_KEEP:-6GB}
+tidy() {
+  docker image prune -f >/dev/null || say "warning: docker image prune failed"
+  docker builder prune -f --keep-storage "$KEEP_CACHE" >/dev/null || say "warning: docker builder prune failed"
+}
+free_gb() { df -P --block-size=1G "$(docker info -f '{{.DockerRootDir}}' 2>/dev/null || echo /)" | awk 'NR == 2 { print $4 }'; }
+tidy
+say "free disk for docker: $(free_gb) GB (an image build needs ~8 GB)"
+[ "$(free_gb)" -ge 8 ] || say "warning: under 8 GB free: the build may fail with 'No space left on device'"
 build "$REDIS_IMAGE" docker/redis.Dockerfile
 build "$IMAGE" docker/Dockerfile "${TORCH_ARGS[@]}"
-say "done: $IMAGE and $REDIS_IMAGE"
+tidy
+say "done: $IMAGE and $REDIS_IMAGE ($(free_gb) GB free)"
