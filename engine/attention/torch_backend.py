@@ -96,10 +96,12 @@ class TorchAttentionBackend(AttentionBackend):
         cap: float | None,
     ) -> bool:
         """All single-token requests at once through the compiled CPU kernel, when it applies
-        (float32 on the CPU, kernel built); returns whether it handled them. The kernel takes
-        the sliding window and the soft cap itself."""
-        if (query.device.type != "cpu" or query.dtype != torch.float32
-                or kv_cache.dtype != torch.float32 or not paged_decode_kernel.available()
+        (a float32 or bfloat16 cache on the CPU, kernel built); returns whether it handled them.
+        The kernel takes the sliding window and the soft cap itself, and computes in float32:
+        a bf16 query is widened for it and its output rounded back to bf16."""
+        if (query.device.type != "cpu" or query.dtype not in paged_decode_kernel.KV_DTYPES
+                or kv_cache.dtype not in paged_decode_kernel.KV_DTYPES
+                or not paged_decode_kernel.available()
                 or not paged_decode_kernel.supports(query.shape[1], query.shape[2], kv_cache.shape[2])):
             return False
         decode = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
@@ -107,15 +109,15 @@ class TorchAttentionBackend(AttentionBackend):
             return True
         if len(decode) == metadata.num_reqs:  # pure decode: rows are requests
             out.copy_(paged_decode_kernel.paged_decode(
-                query.contiguous(), kv_cache, metadata.block_table.contiguous(),
+                query.float().contiguous(), kv_cache, metadata.block_table.contiguous(),
                 metadata.seq_lens, scale, window, cap))
             return True
         starts = metadata.query_start_loc[:-1].long()
         idx = torch.tensor(decode, dtype=torch.long)
         rows = starts[idx]
         out[rows] = paged_decode_kernel.paged_decode(
-            query[rows].contiguous(), kv_cache, metadata.block_table[idx].contiguous(),
-            metadata.seq_lens[idx].contiguous(), scale, window, cap)
+            query[rows].float().contiguous(), kv_cache, metadata.block_table[idx].contiguous(),
+            metadata.seq_lens[idx].contiguous(), scale, window, cap).to(out.dtype)
         return True
 
 

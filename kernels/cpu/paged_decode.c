@@ -1,6 +1,8 @@
-/* Paged decode attention on the CPU, float32: one query token per request over its block table.
+/* Paged decode attention on the CPU: one query token per request over its block table, the KV
+ * cache in float32 or bfloat16 (widened to float32 as it is read; all arithmetic in float32).
  *
  * Reference: kernels/cpu/paged_decode.py::paged_decode_reference (plain PyTorch, same function).
+ * The loop itself is paged_decode_attend.h, included once per cache element type.
  * Layout: kv_cache [num_blocks, 2, block_size, num_kv_heads, head_dim] (0 = K, 1 = V),
  *         query / out [num_reqs, num_heads, head_dim] (token stride q_stride / out_stride),
  *         block_table [num_reqs, max_blocks] int32, seq_lens [num_reqs] int32.
@@ -31,86 +33,39 @@ int paged_decode_max_heads(void) { return MAX_HEADS; }
 int paged_decode_max_dim(void) { return MAX_DIM; }
 int paged_decode_max_block(void) { return MAX_BLOCK; }
 
-/* Attention of query heads [h0, h1) of request b (all sharing kv heads h0/group..). */
-static void attend(const float *q, const float *kv_cache, const int32_t *blocks, int64_t len,
-                   float *o, int64_t h0, int64_t h1, int64_t group, int64_t row,
-                   int64_t head_dim, int64_t block_size, float scale, int64_t window,
-                   float softcap) {
-  float acc[MAX_HEADS * MAX_DIM];
-  float m[MAX_HEADS], l[MAX_HEADS];
-  float s[MAX_HEADS * MAX_BLOCK];
-  const int64_t nh = h1 - h0;
-  const int64_t block_stride = 2 * block_size * row;
-  for (int64_t h = 0; h < nh; ++h) { m[h] = -FLT_MAX; l[h] = 0.f; }
-  memset(acc, 0, sizeof(float) * (size_t)(nh * head_dim));
-  const int64_t nblk = (len + block_size - 1) / block_size;
-  const int64_t first = window > 0 && len > window ? len - window : 0; /* first attended token */
-  const int64_t j0 = first / block_size;
-  const float inv_cap = softcap > 0.f ? 1.f / softcap : 0.f;
-  for (int64_t j = j0; j < nblk; ++j) {
-    const float *kb = kv_cache + (int64_t)blocks[j] * block_stride;
-    const float *vb = kb + block_size * row;
-    const int64_t n = (j + 1) * block_size <= len ? block_size : len - j * block_size;
-    const int64_t t0 = j == j0 ? first - j * block_size : 0; /* window start inside the block */
-    if (j + 1 < nblk) {
-      const char *next = (const char *)(kv_cache + (int64_t)blocks[j + 1] * block_stride);
-      const int64_t bytes = block_stride * (int64_t)sizeof(float);
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, 3);
-    }
-    for (int64_t t = t0; t < n; ++t) {
-      const float *k = kb + t * row;
-      for (int64_t h = 0; h < nh; ++h) {
-        const float *kk = k + ((h0 + h) / group) * head_dim;
-        const float *qq = q + (h0 + h) * head_dim;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < head_dim; ++i) dot += qq[i] * kk[i];
-        s[h * MAX_BLOCK + t] = dot * scale;
-      }
-    }
-    for (int64_t h = 0; h < nh; ++h) {
-      float *sh = s + h * MAX_BLOCK;
-      float mx = m[h];
-      if (softcap > 0.f)
-        for (int64_t t = t0; t < n; ++t) sh[t] = softcap * tanhf(sh[t] * inv_cap);
-      for (int64_t t = t0; t < n; ++t) mx = sh[t] > mx ? sh[t] : mx;
-      const float corr = j == j0 ? 0.f : expf(m[h] - mx);
-      float sum = 0.f;
-      for (int64_t t = t0; t < n; ++t) { sh[t] = expf(sh[t] - mx); sum += sh[t]; }
-      l[h] = l[h] * corr + sum;
-      m[h] = mx;
-      if (j > j0 && corr != 1.f) {
-        float *a = acc + h * head_dim;
-#pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) a[i] *= corr;
-      }
-    }
-    for (int64_t t = t0; t < n; ++t) {
-      const float *v = vb + t * row;
-      for (int64_t h = 0; h < nh; ++h) {
-        const float *vv = v + ((h0 + h) / group) * head_dim;
-        float *a = acc + h * head_dim;
-        const float p = s[h * MAX_BLOCK + t];
-#pragma omp simd
-        for (int64_t i = 0; i < head_dim; ++i) a[i] += p * vv[i];
-      }
-    }
-  }
-  for (int64_t h = 0; h < nh; ++h) {
-    const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
-    float *oo = o + (h0 + h) * head_dim;
-    for (int64_t i = 0; i < head_dim; ++i) oo[i] = acc[h * head_dim + i] * inv;
-  }
+/* bfloat16 is the top half of a float32: widen by a 16-bit shift (vectorizes to a zero-extend
+ * and a shift under -march=native). */
+static inline float bf16_to_f32(uint16_t x) {
+  union { uint32_t u; float f; } c;
+  c.u = (uint32_t)x << 16;
+  return c.f;
 }
 
+#define NAME attend_f32
+#define KV_T float
+#define LOAD(p, i) ((p)[i])
+#include "paged_decode_attend.h"
+#undef NAME
+#undef KV_T
+#undef LOAD
+
+#define NAME attend_bf16
+#define KV_T uint16_t
+#define LOAD(p, i) bf16_to_f32((p)[i])
+#include "paged_decode_attend.h"
+#undef NAME
+#undef KV_T
+#undef LOAD
+
 /* Returns 0, or 2 when a size is over the MAX_* limits (the Python wrapper checks first).
- * window: sliding window in tokens, 0 = none; softcap: logit soft cap, 0 = none. */
-int paged_decode_f32(const float *query, int64_t q_stride, const float *kv_cache,
-                     const int32_t *block_table, const int32_t *seq_lens, float *out,
-                     int64_t out_stride, int64_t num_reqs, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-                     int64_t max_blocks, float scale, int64_t window, float softcap,
-                     int num_threads) {
+ * window: sliding window in tokens, 0 = none; softcap: logit soft cap, 0 = none.
+ * kv_bf16: 0 = kv_cache holds float32, 1 = bfloat16 (query and out are float32 either way). */
+int paged_decode(const float *query, int64_t q_stride, const void *kv_cache,
+                 const int32_t *block_table, const int32_t *seq_lens, float *out,
+                 int64_t out_stride, int64_t num_reqs, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                 int64_t max_blocks, float scale, int64_t window, float softcap,
+                 int num_threads, int kv_bf16) {
   if (num_heads > MAX_HEADS || head_dim > MAX_DIM || block_size > MAX_BLOCK) return 2;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim; /* one token's K (or V), all kv heads */
@@ -119,9 +74,14 @@ int paged_decode_f32(const float *query, int64_t q_stride, const float *kv_cache
   for (int64_t item = 0; item < num_reqs * splits; ++item) {
     const int64_t b = item / splits, c = item % splits;
     const int64_t per = num_heads / splits;
-    attend(query + b * q_stride, kv_cache, block_table + b * max_blocks, seq_lens[b],
-           out + b * out_stride, c * per, (c + 1) * per, group, row, head_dim, block_size, scale,
-           window, softcap);
+    if (kv_bf16)
+      attend_bf16(query + b * q_stride, (const uint16_t *)kv_cache, block_table + b * max_blocks,
+                  seq_lens[b], out + b * out_stride, c * per, (c + 1) * per, group, row, head_dim,
+                  block_size, scale, window, softcap);
+    else
+      attend_f32(query + b * q_stride, (const float *)kv_cache, block_table + b * max_blocks,
+                 seq_lens[b], out + b * out_stride, c * per, (c + 1) * per, group, row, head_dim,
+                 block_size, scale, window, softcap);
   }
   return 0;
 }

@@ -1,8 +1,10 @@
 """CPU paged decode attention: a small C kernel (paged_decode.c) built once with the system C
 compiler and called through ctypes, next to its plain-PyTorch reference.
 
-Used by the PyTorch attention backend for decode tokens on the CPU (float32). Where no C
-compiler is present the backend keeps its pure-PyTorch path: `available()` says which.
+Used by the PyTorch attention backend for decode tokens on the CPU. The KV cache may be float32
+or bfloat16 (read and widened to float32 in the kernel: a bf16 cache halves the bytes a decode
+step reads); the query and the output are float32, and so is all arithmetic. Where no C compiler
+is present the backend keeps its pure-PyTorch path: `available()` says which.
 
 Options (both off by default; 0 or None = off): `sliding_window` attends to the last
 `sliding_window` tokens only (positions `seq_len - window .. seq_len - 1`; blocks before them are
@@ -26,12 +28,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
+_HEADER = Path(__file__).with_name("paged_decode_attend.h")  # included by the source
 # Compiled with -ffast-math (vectorized expf) but linked without it, so the shared object does
 # not carry crtfastmath's flush-to-zero start-up code into the whole process.
 _COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 _LINK_FLAGS = ["-shared", "-fopenmp"]
 # Sizes the kernel's fixed per-item buffers hold (paged_decode.c MAX_*).
 MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 128, 256, 64
+KV_DTYPES = (torch.float32, torch.bfloat16)  # cache element types the kernel reads
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -47,7 +51,7 @@ def paged_decode_reference(
 ) -> torch.Tensor:
     """softmax(q K^T * scale) V over each request's first seq_len cached tokens (GQA-aware), or
     its last `sliding_window` of them; scores soft-capped when `logits_soft_cap` is set. Reads
-    only the blocks holding attended tokens."""
+    only the blocks holding attended tokens. A bf16 cache is widened to the query's dtype."""
     num_reqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -59,8 +63,8 @@ def paged_decode_reference(
         skip = first % block_size
         k = kv_cache[ids, 0].reshape(-1, num_kv_heads, head_dim)[skip: skip + length - first]
         v = kv_cache[ids, 1].reshape(-1, num_kv_heads, head_dim)[skip: skip + length - first]
-        k = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, len, d]
-        v = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        k = k.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)  # [num_heads, len, d]
+        v = v.to(query.dtype).repeat_interleave(group, dim=1).transpose(0, 1)
         scores = (k @ query[b].unsqueeze(-1)).squeeze(-1) * scale  # [num_heads, len]
         if logits_soft_cap:
             scores = torch.tanh(scores / logits_soft_cap) * logits_soft_cap
@@ -80,7 +84,7 @@ def supports(num_heads: int, head_dim: int, block_size: int) -> bool:
 
 def paged_decode(
     query: torch.Tensor,  # [num_reqs, num_heads, head_dim] float32, cpu
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim] float32, cpu
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim] f32 or bf16, cpu
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int32, cpu
     seq_lens: torch.Tensor,  # [num_reqs] int32, cpu
     scale: float,
@@ -98,11 +102,12 @@ def paged_decode(
         raise RuntimeError("the CPU paged-decode kernel could not be built (no C compiler?)")
     num_reqs, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
-    failed = lib.paged_decode_f32(
+    failed = lib.paged_decode(
         _ptr(query), query.stride(0), _ptr(kv_cache), _ptr(block_table), _ptr(seq_lens),
         _ptr(out), out.stride(0), num_reqs, num_heads, kv_cache.shape[3], head_dim,
         kv_cache.shape[2], block_table.shape[1], ctypes.c_float(scale), int(sliding_window or 0),
-        ctypes.c_float(logits_soft_cap or 0.0), torch.get_num_threads())
+        ctypes.c_float(logits_soft_cap or 0.0), torch.get_num_threads(),
+        int(kv_cache.dtype == torch.bfloat16))
     if failed:
         raise ValueError(f"paged_decode: sizes over the kernel's limits (heads <= {MAX_HEADS}, "
                          f"head_dim <= {MAX_HEAD_DIM}, block_size <= {MAX_BLOCK_SIZE})")
@@ -115,8 +120,9 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
                     ("seq_lens", seq_lens)):
         if t.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if query.dtype != torch.float32 or kv_cache.dtype != torch.float32:
-        raise ValueError(f"query and kv_cache must be float32, got {query.dtype} / {kv_cache.dtype}")
+    if query.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPES:
+        raise ValueError(f"query must be float32 and kv_cache float32 or bfloat16, got "
+                         f"{query.dtype} / {kv_cache.dtype}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_table and seq_lens must be int32")
     if query.dim() != 3 or kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
@@ -162,7 +168,7 @@ def _build_and_open() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise OSError("no C compiler found")
-    source = _SOURCE.read_bytes()
+    source = _SOURCE.read_bytes() + _HEADER.read_bytes()
     flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
     key = hashlib.sha256(source + flags.encode() + platform.machine().encode()
                          + platform.node().encode()).hexdigest()[:16]
@@ -178,10 +184,10 @@ def _build_and_open() -> ctypes.CDLL:
                            capture_output=True, timeout=120)
             os.replace(built, target)  # atomic: a concurrent build never sees half a file
     lib = ctypes.CDLL(str(target))
-    lib.paged_decode_f32.restype = ctypes.c_int
-    lib.paged_decode_f32.argtypes = [
+    lib.paged_decode.restype = ctypes.c_int
+    lib.paged_decode.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
-        ctypes.c_float, ctypes.c_int]
+        ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib

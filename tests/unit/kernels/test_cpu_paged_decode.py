@@ -96,3 +96,26 @@ def test_loading_the_kernel_keeps_denormals() -> None:
     assert available()
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     assert float(tiny * 1.0) != 0.0
+
+
+@pytest.mark.parametrize("window, cap", [(None, None), (40, None), (None, 30.0), (100, 50.0)])
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (4, 1, 256), (8, 8, 128)])
+def test_a_bfloat16_cache_is_read_as_its_exact_float32_widening(
+        window: int | None, cap: float | None, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    """A bf16 cache gives what the float32 kernel gives on the same values widened (bf16 -> f32
+    is exact), so the only difference is summation order; and the reference on the bf16 cache
+    agrees."""
+    lens = [1, 15, 16, 17, 203, 700]
+    q, cache, table, seq_lens = make_case(lens, num_heads, num_kv_heads, head_dim, 16, seed=head_dim)
+    half = cache.to(torch.bfloat16)
+    got = paged_decode(q, half, table, seq_lens, head_dim ** -0.5, window, cap)
+    torch.testing.assert_close(got, paged_decode(q, half.float(), table, seq_lens, head_dim ** -0.5,
+                                                 window, cap), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got, paged_decode_reference(q, half, table, seq_lens, head_dim ** -0.5,
+                                                           window, cap), atol=2e-5, rtol=1e-5)
+
+
+def test_a_float16_cache_is_rejected() -> None:
+    q, cache, table, seq_lens = make_case([5, 40], 4, 2, 64, 16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        paged_decode(q, cache.half(), table, seq_lens, 0.1)
