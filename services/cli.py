@@ -26,7 +26,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="a catalog model (smollm2-135m-instruct, the default; gemma-3-270m), a local "
                             ".gguf file, a local Hugging Face folder or a hub id (docs/models.md)")
     group.add_argument("--tokenizer", default=None)
-    group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights, activations and KV cache (default auto: bfloat16 on CUDA and "
+                            "on CPUs with AVX-512 BF16 or AMX, else float32; PDSERVE_AUTO_DTYPE "
+                            "overrides auto's choice). float32 equals transformers token for token")
     group.add_argument("--device", default="cpu")
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--block-size", type=int, default=16)
