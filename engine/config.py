@@ -19,7 +19,6 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 AUTO_DTYPE_ENV = "PDSERVE_AUTO_DTYPE"  # what "auto" means on this host, when set
 _POLICIES = ("fcfs", "priority", "sjf")
 _BACKENDS = ("auto", "torch", "triton")
-CPU_DEFAULT_KV_CACHE_GIB = 1.0
 
 
 @dataclass(frozen=True)
@@ -32,8 +31,10 @@ class EngineConfig:
     overrides that choice for a host. It is resolved on construction: `config.dtype` is never
     "auto". float32 is the one that equals transformers token for token.
     KV cache size: `num_kv_blocks` when given, else `kv_cache_gib` GiB of cache memory, else
-    (the default) 1 GiB on the CPU and, on CUDA, what `gpu_memory_utilization` of the GPU's
-    memory leaves after the weights and a profiled peak step (as vLLM sizes it).
+    the default (engine/kv_cache_sizing.py): on the CPU, PDSERVE_CPU_KVCACHE_SPACE GiB when set,
+    else `cpu_kv_cache_share` of the memory available at start divided among the host's
+    `kv_cache_sharers` engines; on CUDA, what `gpu_memory_utilization` of the GPU's memory leaves
+    after the weights and a profiled peak step (as vLLM sizes it).
     On CUDA, decode steps run as captured CUDA graphs unless `enforce_eager`.
     `attention_backend` "auto" picks Triton on CUDA and PyTorch on the CPU; "triton" on the CPU
     runs the Triton kernels in Triton's interpreter (needs TRITON_INTERPRET=1; for tests).
@@ -48,6 +49,8 @@ class EngineConfig:
     device: str = "cpu"
     block_size: int = 16
     kv_cache_gib: float | None = None
+    cpu_kv_cache_share: float = 0.5
+    kv_cache_sharers: int = 1
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -107,6 +110,10 @@ class EngineConfig:
             object.__setattr__(self, "dtype", auto_dtype(self.device))
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                f"must be a power of two in [1, 128], got {self.block_size}")
+        _check(0 < self.cpu_kv_cache_share <= 0.95, "cpu_kv_cache_share",
+               f"must be in (0, 0.95], got {self.cpu_kv_cache_share}")
+        _check(self.kv_cache_sharers >= 1, "kv_cache_sharers",
+               f"must be at least 1, got {self.kv_cache_sharers}")
         if self.kv_cache_gib is not None:
             _check(self.kv_cache_gib > 0, "kv_cache_gib", f"must be positive, got {self.kv_cache_gib}")
         _check(self.kv_connector in (None, "kvstore"), "kv_connector",

@@ -29,6 +29,7 @@ from engine.core.outputs import (
 )
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
+from engine.kv_cache_sizing import CpuBudget, cpu_available_bytes, num_kv_blocks
 from engine.structured.backends import Matcher, XgrammarMatcher
 from engine.structured.bitmask import GrammarBitmask
 from engine.structured.manager import StructuredOutputManager
@@ -57,7 +58,8 @@ class EngineCore:
         dtype = _DTYPES[config.dtype]
         device = torch.device(config.device)
         backend = backend_for_device(device, config.attention_backend)
-        free_before_load = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+        free_before_load = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
+                            else cpu_available_bytes())
         path = resolve_model_path(config.model)
         model, hf_config = load_model(path, dtype, backend, device)
         chosen_len = config.max_model_len
@@ -256,10 +258,11 @@ class EngineCore:
 def _num_blocks(config: EngineConfig, model: Any, layout: KVCacheLayout, dtype: torch.dtype,
                 device: torch.device, free_before_load: int | None) -> int:
     """KV blocks for this engine; on CUDA without an explicit size, profiled (vLLM's rule)."""
-    from engine.kv_cache_sizing import num_kv_blocks
-
-    available = None
-    if device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_gib is None:
+    available, cpu_budget = None, None
+    if device.type == "cpu":
+        assert free_before_load is not None
+        cpu_budget = CpuBudget.measure(at_start=free_before_load)
+    elif device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_gib is None:
         from engine.gpu_profile import run_profile_step
         from engine.kv_cache_sizing import profile_gpu_memory
 
@@ -270,7 +273,9 @@ def _num_blocks(config: EngineConfig, model: Any, layout: KVCacheLayout, dtype: 
         logger.info("GPU memory: %s -> %.2f GiB for the KV cache", profile, available / 2**30)
     # a block is a page of `layers_per_block` layers (all of them, unless the model is hybrid)
     return num_kv_blocks(config, layout.layers_per_block, model.num_kv_heads, model.head_dim, dtype,
-                         available_bytes=available)
+                         available_bytes=available, cpu_budget=cpu_budget,
+                         most_blocks=config.max_num_seqs * layout.blocks_for_one_request(
+                             config.model_len, config.block_size, config.max_num_batched_tokens) + 1)
 
 
 def kv_layout(model: Any, config: EngineConfig) -> KVCacheLayout:

@@ -1,17 +1,32 @@
 """How many KV cache blocks an engine gets: `num_kv_blocks` when set, else what fits in
-`kv_cache_gib`, else the device default: 1 GiB on the CPU; on CUDA, what is left of
-`gpu_memory_utilization * total GPU memory` after the weights, the peak activations of a
-profiled worst-case step and the memory other processes and the CUDA context hold (vLLM's
-rule). One block holds K and V of `block_size` tokens for every layer."""
+`kv_cache_gib`, else the device default.
+
+- CPU: PDSERVE_CPU_KVCACHE_SPACE GiB when set (vLLM CPU's VLLM_CPU_KVCACHE_SPACE, for a host),
+  else `cpu_kv_cache_share` of the memory available when the engine starts (MemAvailable, or
+  what the container's cgroup still allows, whichever is less), divided among the
+  `kv_cache_sharers` engines of the host (`pdserve up` tells each worker how many it starts), and
+  never more than `max_num_seqs` requests of `max_model_len` tokens can use at once.
+- CUDA: what is left of `gpu_memory_utilization * total GPU memory` after the weights, the peak
+  activations of a profiled worst-case step and the memory other processes and the CUDA context
+  hold (vLLM's rule).
+
+An explicit size larger than the memory available after the weights is an error before start.
+One block holds K and V of `block_size` tokens for every layer."""
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from engine.config import CPU_DEFAULT_KV_CACHE_GIB, EngineConfig
+from engine.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+CPU_KVCACHE_SPACE_ENV = "PDSERVE_CPU_KVCACHE_SPACE"  # GiB, for every engine of a host
 
 
 def kv_cache_bytes_per_block(
@@ -24,28 +39,126 @@ def kv_cache_bytes_per_block(
 
 def num_kv_blocks(
     config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-    available_bytes: int | None = None,
+    available_bytes: int | None = None, cpu_budget: CpuBudget | None = None,
+    most_blocks: int | None = None,
 ) -> int:
-    """Blocks in the pool, the null block included. `available_bytes` is the device's KV
-    budget (CUDA, measured) used when neither `num_kv_blocks` nor `kv_cache_gib` is set.
-    Raises ValueError (naming the setting) when fewer than 2 blocks fit."""
+    """Blocks in the pool, the null block included. `available_bytes` is the CUDA device's KV
+    budget (measured); `cpu_budget` the CPU's memory (the module's docstring), used when neither
+    `num_kv_blocks` nor `kv_cache_gib` is set. Raises ValueError (naming the setting) when fewer
+    than 2 blocks fit, or when an explicit size is more than the CPU's available memory.
+    `most_blocks`: what `max_num_seqs` requests of `max_model_len` can use at once (the CPU
+    default's cap; by default one group's blocks, the null block included)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_cache_bytes_per_block(num_layers, num_kv_heads, head_dim,
                                          config.block_size, dtype)
-    if config.kv_cache_gib is not None or available_bytes is None:
-        gib = config.kv_cache_gib if config.kv_cache_gib is not None else CPU_DEFAULT_KV_CACHE_GIB
+    env_gib = _env_gib() if available_bytes is None else None
+    if config.kv_cache_gib is not None or env_gib is not None:
+        if config.kv_cache_gib is not None:
+            gib, setting = config.kv_cache_gib, f"kv_cache_gib={config.kv_cache_gib}"
+        else:
+            assert env_gib is not None
+            gib, setting = env_gib, f"{CPU_KVCACHE_SPACE_ENV}={env_gib}"
+        if cpu_budget is not None and gib * 2**30 > cpu_budget.available_now:
+            raise ValueError(
+                f"{setting}: {gib:.2f} GiB of KV cache does not fit in the "
+                f"{cpu_budget.available_now / 2**30:.2f} GiB of memory available after the weights "
+                f"loaded: lower it (or leave it unset: the default takes a share of free memory)")
         blocks = int(gib * 2**30 // per_block)
-        setting = f"kv_cache_gib={gib}"
-    else:
+    elif available_bytes is not None:
         blocks = max(0, available_bytes) // per_block
         setting = (f"gpu_memory_utilization={config.gpu_memory_utilization} "
                    f"({available_bytes / 2**30:.2f} GiB left for the KV cache)")
+    else:
+        budget = cpu_budget or CpuBudget.measure()
+        share = budget.at_start * config.cpu_kv_cache_share / config.kv_cache_sharers
+        blocks = int(min(share, budget.available_now) // per_block)
+        most = most_blocks or config.max_num_seqs * -(-config.model_len // config.block_size) + 1
+        setting = (f"cpu_kv_cache_share={config.cpu_kv_cache_share} of "
+                   f"{budget.at_start / 2**30:.2f} GiB available at start / kv_cache_sharers="
+                   f"{config.kv_cache_sharers}")
+        if blocks > most:
+            blocks, setting = most, setting + f", capped at {most} blocks ({config.max_num_seqs} " \
+                f"requests of {config.model_len} tokens)"
+        logger.info("CPU KV cache: %d blocks (%.2f GiB): %s", blocks, blocks * per_block / 2**30,
+                    setting)
     if blocks < 2:
         raise ValueError(
             f"{setting} holds {blocks} KV blocks of {per_block} bytes; at least 2 are needed "
-            f"(one is the null block): raise kv_cache_gib or gpu_memory_utilization")
+            f"(one is the null block): raise kv_cache_gib, cpu_kv_cache_share or "
+            f"gpu_memory_utilization, or free memory")
     return blocks
+
+
+def _env_gib() -> float | None:
+    raw = os.environ.get(CPU_KVCACHE_SPACE_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = -1.0
+    if not gib > 0:
+        raise ValueError(f"{CPU_KVCACHE_SPACE_ENV} must be a positive number of GiB, got {raw!r}")
+    return gib
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """Memory available to this engine on the CPU, in bytes: when it started (before the weights
+    loaded) and now."""
+
+    at_start: int
+    available_now: int
+
+    @staticmethod
+    def measure(at_start: int | None = None) -> CpuBudget:
+        now = cpu_available_bytes()
+        return CpuBudget(now if at_start is None else at_start, now)
+
+
+def cpu_available_bytes() -> int:
+    """MemAvailable (/proc/meminfo), or what this process's cgroup (v2) still allows when that is
+    less: a container's limit, not the host's free memory."""
+    available = _meminfo_available()
+    limit = _cgroup_room()
+    return min(available, limit) if limit is not None else available
+
+
+def _meminfo_available() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    import psutil  # not Linux: psutil's view of the same number
+
+    return int(psutil.virtual_memory().available)
+
+
+def _cgroup_room() -> int | None:
+    """What this process's memory cgroup still allows (limit - usage), or None when unlimited or
+    unknown. cgroup v2 (memory.max under the process's own cgroup), else v1 (the memory
+    controller's mount, which in a container is the container's own group)."""
+    try:
+        rel = next(line.split("::", 1)[1] for line in Path("/proc/self/cgroup").read_text().splitlines()
+                   if line.startswith("0::"))
+        base = Path("/sys/fs/cgroup") / rel.lstrip("/")
+        limit = (base / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(0, int(limit) - int((base / "memory.current").read_text().strip()))
+    except (OSError, ValueError, StopIteration):
+        pass
+    try:
+        v1 = Path("/sys/fs/cgroup/memory")
+        limit_v1 = int((v1 / "memory.limit_in_bytes").read_text())
+        if limit_v1 >= 2**60:  # v1 spells "unlimited" as a page-rounded 2**63
+            return None
+        return max(0, limit_v1 - int((v1 / "memory.usage_in_bytes").read_text()))
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)

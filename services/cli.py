@@ -34,7 +34,15 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=int, default=None)
     group.add_argument("--block-size", type=int, default=16)
     group.add_argument("--kv-cache-gib", type=float, default=None,
-                       help="KV cache size (default: 1 GiB on CPU, gpu-memory-utilization on CUDA)")
+                       help="KV cache size (default on the CPU: PDSERVE_CPU_KVCACHE_SPACE GiB when set, "
+                            "else --cpu-kv-cache-share of the memory free at start divided by "
+                            "--kv-cache-sharers; on CUDA: what --gpu-memory-utilization leaves)")
+    group.add_argument("--cpu-kv-cache-share", type=float, default=0.5,
+                       help="CPU: the share of the memory available at start that the host's "
+                            "engines' KV caches take together (default 0.5)")
+    group.add_argument("--kv-cache-sharers", type=int, default=1,
+                       help="CPU: how many engines on this host divide that share (pdserve up sets "
+                            "it to the number of workers it runs; default 1)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     group.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     group.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
@@ -60,6 +68,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
                 max_model_len=args.max_model_len, block_size=args.block_size,
                 kv_cache_gib=args.kv_cache_gib, num_kv_blocks=args.num_kv_blocks,
+                cpu_kv_cache_share=args.cpu_kv_cache_share, kv_cache_sharers=args.kv_cache_sharers,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enforce_eager=args.enforce_eager,
                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,

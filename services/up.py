@@ -59,7 +59,10 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--decode-port", type=int, default=50061, help="first decode worker's port")
     p.add_argument("--kvstore-capacity", default="4GiB")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
-    p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="each worker's KV cache (default on the CPU: PDSERVE_CPU_KVCACHE_SPACE GiB "
+                        "when set, else half the memory free at start divided among the workers "
+                        "up starts, the autoscaler's maxima included)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="prefill workers' step budget (default: the worker's)")
@@ -164,7 +167,20 @@ def _worker_args(args: argparse.Namespace, folder: str, store: str) -> list[str]
                         ("--max-model-len", args.max_model_len)):
         if value is not None:
             out += [flag, str(value)]
+    if args.kv_cache_gib is None:  # the CPU default: the host's share, divided among its engines
+        out += ["--kv-cache-sharers", str(kv_cache_sharers(args))]
     return out
+
+
+def kv_cache_sharers(args: argparse.Namespace) -> int:
+    """How many engines `up` may run on this host at once (the autoscaler's maxima when it
+    scales): each worker's default KV cache is its share of the memory free at start."""
+    prefill = 0 if args.colocated else args.prefill
+    decode = args.decode
+    if getattr(args, "autoscale", False):
+        prefill = 0 if args.colocated else max(prefill, args.max_prefill)
+        decode = max(decode, args.max_decode)
+    return max(1, prefill + decode)
 
 
 def _up_networks(host: str) -> str:

@@ -23,6 +23,10 @@ if os.environ.get("TRITON_INTERPRET") is None:
 # otherwise (tests/unit/engine/test_auto_dtype.py covers auto's own choice; the bf16 tests name
 # their dtype).
 os.environ.setdefault("PDSERVE_AUTO_DTYPE", "float32")
+# The CPU's default KV cache is half the free memory, divided among a host's engines; the suite
+# runs many engines at once (two pytest processes, workers of each), so each gets 1 GiB unless a
+# test sizes it (tests/unit/engine/test_kv_cache_sizing.py covers the default rule itself).
+os.environ.setdefault("PDSERVE_CPU_KVCACHE_SPACE", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
