@@ -9,7 +9,7 @@ export OMP_NUM_THREADS ?= 2
 TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup lock lock-upgrade lock-check system-deps peers peers-vllm run demo model test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
+.PHONY: setup lock lock-upgrade lock-check system-deps peers peers-vllm peers-llamacpp run demo model test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
 
 # Installs come from the committed lock (locks/dev.txt: every package pinned with its hashes, made
 # by `make lock` from pyproject.toml and locks/*.in), so every machine gets what CI passed with.
@@ -60,6 +60,11 @@ peers:
 # vLLM CPU's own disaggregated setup, the load-test peer (.peers/vllm, 3.4 GB; not part of `make test`).
 peers-vllm:
 	bash loadtest/peers/install_vllm.sh
+
+# llama.cpp's own server (xllamacpp, a generic CPU build; .peers/llamacpp), the serving peer of
+# benchmarks/bench_peers.py (not part of `make test`).
+peers-llamacpp:
+	bash loadtest/peers/install_llamacpp.sh
 
 # The whole system on this machine: KV store, 1 prefill + 1 decode worker, router on :8000.
 run: setup
