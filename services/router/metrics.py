@@ -57,6 +57,10 @@ class RouterMetrics:
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(*own)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output chunks.", labels,
                              buckets=ITL_BUCKETS, registry=r).labels(*own)
+        self.handoff = Histogram(
+            "pdserve:handoff_seconds", "Split samples: from the prefill worker's first token reaching "
+            "the router to the decode worker's first token (the sample's second): the KV hand-off "
+            "as a client sees it.", labels, buckets=ITL_BUCKETS, registry=r).labels(*own)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              labels, buckets=E2E_BUCKETS, registry=r).labels(*own)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests (once "

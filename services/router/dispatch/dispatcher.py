@@ -134,11 +134,14 @@ class _Sample:
 class Dispatcher:
     """Runs one sample through a prefill worker and a decode worker (or one colocated worker).
     `on_decision(name)` is told how each sample was dispatched, `on_migration(reason)` each time
-    one moved to another worker ("broken", "stalled" or "unhealthy"), for metrics."""
+    one moved to another worker ("broken", "stalled" or "unhealthy"), `on_handoff(seconds)` the
+    time from a prefill's first token to the decode worker's first (the sample's second), for
+    metrics."""
 
     def __init__(self, options: DispatchOptions, on_decision: Callable[[str], None] | None = None,
                  on_prefill_failure: Callable[[str], None] | None = None,
-                 on_migration: Callable[[str], None] | None = None) -> None:
+                 on_migration: Callable[[str], None] | None = None,
+                 on_handoff: Callable[[float], None] | None = None) -> None:
         self.options = options
         self.inflight = InFlight(options.stall_timeout_s)
         self.prefill = (WorkerPool("prefill", options.prefill, options.pool_options(options.prefill_policy),
@@ -150,6 +153,7 @@ class Dispatcher:
         self._on_decision = on_decision or _ignore
         self._on_prefill_failure = on_prefill_failure or _ignore
         self._on_migration = on_migration or _ignore
+        self._on_handoff = on_handoff or _ignore
 
     @property
     def pools(self) -> list[WorkerPool]:
@@ -213,8 +217,12 @@ class Dispatcher:
                 return
             sample.generated.append(first.first_token_id)
             sample.kv = first.kv_transfer_params
+        handoff_from = time.monotonic() if first is not None else None
         async with aclosing(self._decode(sample, local, announce=first is None and not announced)) as steps:
             async for step in steps:
+                if handoff_from is not None and step.token_ids:
+                    self._on_handoff(time.monotonic() - handoff_from)
+                    handoff_from = None
                 # Prompt tokens not computed: the prefill's (not the tokens loaded from the
                 # store), or the decode call's, never more than the prompt (after a migration
                 # the streamed tokens count as that call's prompt).
@@ -399,5 +407,5 @@ def _ended_by_router(attempt: Attempt) -> Iterator[None]:
         raise
 
 
-def _ignore(_: str) -> None:
+def _ignore(_: object) -> None:
     pass
