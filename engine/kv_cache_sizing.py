@@ -118,8 +118,9 @@ class CpuBudget:
 
 
 def cpu_available_bytes() -> int:
-    """MemAvailable (/proc/meminfo), or what this process's cgroup (v2) still allows when that is
-    less: a container's limit, not the host's free memory."""
+    """MemAvailable (/proc/meminfo), or what this process's memory cgroup still allows when that
+    is less: a container's limit, not the host's free memory. A worker restarted after the
+    others' caches filled sees less free memory, and so takes a smaller share."""
     available = _meminfo_available()
     limit = _cgroup_room()
     return min(available, limit) if limit is not None else available
