@@ -64,7 +64,8 @@ def test_gpu_engine_matches_transformers(arch: str, mode: str, eager: bool,
     kwargs = sized(path, dict(MODES[mode]))  # hybrid models: their KV cache groups' pages
     if "num_kv_blocks" not in kwargs:
         kwargs["kv_cache_gib"] = 0.25
-    llm = LLM(model=str(path), device="cuda", enforce_eager=eager, max_num_seqs=16, **kwargs)
+    llm = LLM(model=str(path), device="cuda", dtype="float32", enforce_eager=eager, max_num_seqs=16,
+              **kwargs)
     core = llm.engine_core
     assert (core.runner.decode_graphs is None) == eager
     start = core.get_stats()
@@ -87,8 +88,8 @@ def test_gpu_kv_cache_is_sized_from_free_memory(tiny_model_dir: Callable[[str], 
     from engine.kv_cache_sizing import kv_cache_bytes_per_block
     from engine.llm import LLM
 
-    llm = LLM(model=str(tiny_model_dir("llama")), device="cuda", gpu_memory_utilization=0.3,
-              enforce_eager=True)
+    llm = LLM(model=str(tiny_model_dir("llama")), device="cuda", dtype="float32",
+              gpu_memory_utilization=0.3, enforce_eager=True)
     core = llm.engine_core
     per_block = kv_cache_bytes_per_block(2, 2, 16, core.config.block_size, torch.float32)
     cache_gib = core.num_blocks * per_block / 2**30
