@@ -6,16 +6,16 @@ and splits the wall time of its steps into:
 
 - scheduling: `Scheduler.schedule` and `update_from_output` (torch-free, Python);
 - batch preparation: the runner's inputs, block tables and slot mappings (`_prepare_batch`);
-- forward, by op class, from torch.profiler with a label around each part of the model:
+- forward, by op class, from a wall clock around each part of the model:
   GEMMs (every `linear`: qkv, o, gate_up, down), attention (the backend minus its KV writes:
   SDPA for prefills, the C paged-decode kernel for decodes), KV cache writes, norms, rotary,
   gated activation, embedding, and the LM head;
 - sampling: the sampler over the LM head's logits;
 - the rest of the step: Python between those (loops, hooks, bookkeeping, output objects).
 
-Each class's time is its labelled regions' inclusive CPU time (the profiler adds a few percent;
-the table says the wall time with and without it). Decode and prefill steps are counted apart:
-a step is a decode step when every request in it computes one token.
+Each class's time is its labelled regions' inclusive wall time (the clocks add well under 1%;
+the table says the wall time with and without them). Decode and prefill steps are counted apart
+(a step is a decode step when every request in it computes one token), in columns of their own.
 
     python benchmarks/profile_engine_cpu.py [--dtype auto|float32|bfloat16] [--num-prompts 16]
         [--output-len 64] [--threads 2]
@@ -56,23 +56,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 class Labels:
-    """Wraps functions so each call runs inside a profiler label (and, for the step phases,
-    a wall clock)."""
+    """Wraps functions so each call's wall time is added to its label, filed under the kind of
+    step under way (`kind`: "decode" or "prefill")."""
 
     def __init__(self) -> None:
         self.undo: list[Callable[[], None]] = []
-        self.wall: dict[str, float] = defaultdict(float)
+        self.kind = "prefill"
+        self.wall: dict[str, dict[str, float]] = {"decode": defaultdict(float),
+                                                  "prefill": defaultdict(float)}
 
-    def label(self, owner: Any, name: str, label: str, clock: bool = False) -> None:
+    def label(self, owner: Any, name: str, label: str) -> None:
         original = getattr(owner, name)
-        record = torch.profiler.record_function
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter() if clock else 0.0
-            with record(label):
-                out = original(*args, **kwargs)
-            if clock:
-                self.wall[label] += time.perf_counter() - start
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            self.wall[self.kind][label] += time.perf_counter() - start
             return out
 
         setattr(owner, name, wrapped)
@@ -93,12 +92,12 @@ def install(labels: Labels) -> None:
     from engine.runner import ModelRunner
     from engine.sample.sampler import Sampler
 
-    labels.label(Scheduler, "schedule", "scheduling", clock=True)
-    labels.label(Scheduler, "update_from_output", "scheduling", clock=True)
-    labels.label(ModelRunner, "_prepare_batch", "batch_prep", clock=True)
-    labels.label(CausalLM, "forward", "forward", clock=True)
-    labels.label(CausalLM, "compute_logits", "lm_head", clock=True)
-    labels.label(Sampler, "__call__", "sampling", clock=True)
+    labels.label(Scheduler, "schedule", "scheduling")
+    labels.label(Scheduler, "update_from_output", "scheduling")
+    labels.label(ModelRunner, "_prepare_batch", "batch_prep")
+    labels.label(CausalLM, "forward", "forward")
+    labels.label(CausalLM, "compute_logits", "lm_head")
+    labels.label(Sampler, "__call__", "sampling")
     for module in (layers, mlp):  # the name each module imported `linear` under
         labels.label(module, "linear", "gemm")
     labels.label(tb.TorchAttentionBackend, "forward", "attention")
@@ -110,16 +109,17 @@ def install(labels: Labels) -> None:
 
 
 @contextmanager
-def step_clock(core: Any, kinds: dict[str, list[float]]) -> Iterator[None]:
+def step_clock(core: Any, kinds: dict[str, list[float]], labels: Labels) -> Iterator[None]:
     """Times each EngineCore.step, filed as a decode or a prefill step."""
     original = core.step
 
     def timed() -> Any:
         decode = all(r.num_computed_tokens >= r.num_tokens - 1 for r in core.scheduler.running) \
             and len(core.scheduler.waiting) == 0
+        labels.kind = "decode" if decode else "prefill"
         start = time.perf_counter()
         out = original()
-        kinds["decode" if decode else "prefill"].append(time.perf_counter() - start)
+        kinds[labels.kind].append(time.perf_counter() - start)
         return out
 
     core.step = timed
@@ -130,8 +130,6 @@ def step_clock(core: Any, kinds: dict[str, list[float]]) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> list[list[object]]:
-    from torch.profiler import ProfilerActivity, profile
-
     from engine.config import EngineConfig
     from engine.core.outputs import EngineCoreRequest
     from engine.engine_core import EngineCore
@@ -162,48 +160,63 @@ def run(args: argparse.Namespace) -> list[list[object]]:
     install(labels)
     steps: dict[str, list[float]] = defaultdict(list)
     try:
-        with step_clock(core, steps), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with step_clock(core, steps, labels):
             start = time.perf_counter()
             generate("prof", fresh)
             wall = time.perf_counter() - start
     finally:
         labels.restore()
         core.shutdown()
-    inclusive = {e.key: e.cpu_time_total / 1e6 for e in prof.key_averages()}
-    return table(args, core.config.dtype, plain_wall, wall, steps, inclusive, labels.wall)
+    return table(args, core.config.dtype, plain_wall, wall, steps, labels.wall)
 
 
 def table(args: argparse.Namespace, dtype: str, plain_wall: float, wall: float,
-          steps: dict[str, list[float]], inclusive: dict[str, float],
-          clocks: dict[str, float]) -> list[list[object]]:
+          steps: dict[str, list[float]], by_kind: dict[str, dict[str, float]]) -> list[list[object]]:
     step_total = sum(sum(v) for v in steps.values())
+    kind_wall = {k: sum(steps[k]) for k in ("decode", "prefill")}
     rows: list[list[object]] = [
-        ["wall, no profiler", f"{plain_wall:.2f}", "",
+        ["wall, no clocks", f"{plain_wall:.2f}", "", "", "",
          f"{args.num_prompts * args.output_len / plain_wall:.1f} output tok/s, {dtype}"],
-        ["wall, profiled", f"{wall:.2f}", "100.0", f"{len(steps['decode'])} decode steps "
-         f"({sum(steps['decode']):.2f} s), {len(steps['prefill'])} with prefill "
-         f"({sum(steps['prefill']):.2f} s)"],
+        ["wall, clocked", f"{wall:.2f}", f"{kind_wall['decode']:.2f}", f"{kind_wall['prefill']:.2f}",
+         "100.0", f"{len(steps['decode'])} decode steps, {len(steps['prefill'])} with prefill"],
     ]
 
-    def row(name: str, seconds: float, note: str = "") -> None:
-        rows.append([name, f"{seconds:.3f}", f"{100 * seconds / wall:.1f}", note])
+    def get(kind: str, label: str) -> float:
+        return by_kind[kind].get(label, 0.0)
 
-    forward = clocks.get("forward", 0.0)
-    classes = {c: inclusive.get(c, 0.0) for c in FORWARD_CLASSES if c != "lm_head"}
-    classes["attention"] = max(0.0, classes["attention"] - classes["kv_write"])
-    row("scheduling (schedule + update_from_output)", clocks.get("scheduling", 0.0), "Python, no torch")
-    row("batch preparation", clocks.get("batch_prep", 0.0), "inputs, block tables, slots")
-    row("forward (all layers + final norm)", forward)
-    labelled = 0.0
-    for name, seconds in classes.items():
-        labelled += seconds
-        row(f"  {name}", seconds, "minus KV writes" if name == "attention" else "")
-    row("  forward, unlabelled", max(0.0, forward - labelled), "residual adds, views, hooks, layer loop")
-    row("LM head (logits)", clocks.get("lm_head", 0.0), "a GEMM over the vocabulary")
-    row("sampling", clocks.get("sampling", 0.0))
-    covered = sum(clocks.get(k, 0.0) for k in ("scheduling", "batch_prep", "forward", "lm_head", "sampling"))
-    row("rest of the steps", max(0.0, step_total - covered), "Python between the phases, outputs")
-    row("outside steps", max(0.0, wall - step_total), "adding requests, the loop")
+    def row(name: str, label: str | None = None, note: str = "",
+            value: Callable[[str], float] | None = None) -> None:
+        at = value or (lambda kind: get(kind, label or name))
+        d, p = at("decode"), at("prefill")
+        rows.append([name, f"{d + p:.3f}", f"{d:.3f}", f"{p:.3f}", f"{100 * (d + p) / wall:.1f}", note])
+
+    row("scheduling (schedule + update_from_output)", "scheduling", "Python, no torch")
+    row("batch preparation", "batch_prep", "inputs, block tables, slots")
+    row("forward (all layers + final norm)", "forward")
+    for name in FORWARD_CLASSES:
+        if name == "lm_head":
+            continue
+        if name == "attention":
+            row("  attention", note="minus KV writes: C kernel (decode), SDPA (prefill)",
+                value=lambda k: max(0.0, get(k, "attention") - get(k, "kv_write")))
+        else:
+            row(f"  {name}", name)
+
+    def unlabelled(kind: str) -> float:
+        inner = sum(get(kind, c) for c in FORWARD_CLASSES if c not in ("lm_head", "kv_write"))
+        return max(0.0, get(kind, "forward") - inner)
+
+    row("  forward, unlabelled", note="residual adds, views, the layer loop", value=unlabelled)
+    row("LM head (logits)", "lm_head", "a GEMM over the vocabulary")
+    row("sampling", "sampling")
+
+    def rest(kind: str) -> float:
+        covered = sum(get(kind, k) for k in ("scheduling", "batch_prep", "forward", "lm_head", "sampling"))
+        return max(0.0, kind_wall[kind] - covered)
+
+    row("rest of the steps", note="Python between the phases, outputs", value=rest)
+    rows.append(["outside steps", f"{max(0.0, wall - step_total):.3f}", "", "",
+                 f"{100 * max(0.0, wall - step_total) / wall:.1f}", "adding requests, the loop"])
     return rows
 
 
@@ -213,7 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"# engine step profile: workload A, {args.num_prompts} prompts x {args.output_len} tokens, "
           f"{args.threads} threads")
     print(machine_line(args.threads, None))
-    print(markdown_table(["phase", "seconds", "% of profiled wall", "note"], rows))
+    print(markdown_table(["phase", "seconds", "decode steps", "prefill steps", "% of wall", "note"], rows))
     return 0
 
 

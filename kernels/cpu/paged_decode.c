@@ -2,6 +2,9 @@
  * cache in float32 or bfloat16 (widened to float32 as it is read; all arithmetic in float32).
  *
  * Reference: kernels/cpu/paged_decode.py::paged_decode_reference (plain PyTorch, same function).
+ * Bodies: paged_decode_avx512.h (AVX-512, head_dim 16..256 in powers of two; with a bf16 cache
+ * and AVX512-BF16, q.k runs on vdpbf16ps with the query rounded to bf16, which a bf16 model's
+ * query already is) and paged_decode_attend.h (portable, every other case).
  * The loop itself is paged_decode_attend.h, included once per cache element type.
  * Layout: kv_cache [num_blocks, 2, block_size, num_kv_heads, head_dim] (0 = K, 1 = V),
  *         query / out [num_reqs, num_heads, head_dim] (token stride q_stride / out_stride),
@@ -24,6 +27,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #define MAX_HEADS 128
 #define MAX_DIM 256
@@ -57,6 +63,100 @@ static inline float bf16_to_f32(uint16_t x) {
 #undef KV_T
 #undef LOAD
 
+#ifdef __AVX512F__
+/* Vectorized bodies for head_dim = 16, 32, 64, 128, 256 (paged_decode_avx512.h). */
+#define LOADV_F32(p) _mm512_loadu_ps(p)
+#define LOADV_BF16(p) \
+  _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define KV_T float
+#define LOADV LOADV_F32
+#define QK_DPBF16 0
+#define NV 1
+#define NAME vec_f32_1
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#define NV 2
+#define NAME vec_f32_2
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#define NV 4
+#define NAME vec_f32_4
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#define NV 8
+#define NAME vec_f32_8
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#define NV 16
+#define NAME vec_f32_16
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#undef KV_T
+#undef LOADV
+#undef QK_DPBF16
+#define KV_T uint16_t
+#define LOADV LOADV_BF16
+#define QK_DPBF16 0 /* head_dim 16 widens K; the others take q.k with vdpbf16ps where present */
+#define NV 1
+#define NAME vec_bf16_1
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#undef QK_DPBF16
+#ifdef __AVX512BF16__
+#define QK_DPBF16 1
+#else
+#define QK_DPBF16 0
+#endif
+#define NV 2
+#define NAME vec_bf16_2
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#define NV 4
+#define NAME vec_bf16_4
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#define NV 8
+#define NAME vec_bf16_8
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#define NV 16
+#define NAME vec_bf16_16
+#include "paged_decode_avx512.h"
+#undef NAME
+#undef NV
+#undef KV_T
+#undef LOADV
+#undef QK_DPBF16
+
+typedef void (*vec_fn)(const float *, const void *, const int32_t *, int64_t, float *, int64_t,
+                       int64_t, int64_t, int64_t, int64_t, float, int64_t, float);
+/* The vectorized body for this head_dim and cache type, or NULL (use the generic loop). */
+static vec_fn vec_body(int64_t head_dim, int kv_bf16) {
+  switch (head_dim) {
+    case 16: return kv_bf16 ? vec_bf16_1 : vec_f32_1;
+    case 32: return kv_bf16 ? vec_bf16_2 : vec_f32_2;
+    case 64: return kv_bf16 ? vec_bf16_4 : vec_f32_4;
+    case 128: return kv_bf16 ? vec_bf16_8 : vec_f32_8;
+    case 256: return kv_bf16 ? vec_bf16_16 : vec_f32_16;
+    default: return NULL;
+  }
+}
+#else
+typedef void (*vec_fn)(void);
+static vec_fn vec_body(int64_t head_dim, int kv_bf16) { (void)head_dim; (void)kv_bf16; return NULL; }
+#endif
+
+int paged_decode_vectorized(int64_t head_dim, int kv_bf16) { return vec_body(head_dim, kv_bf16) != NULL; }
+
 /* Returns 0, or 2 when a size is over the MAX_* limits (the Python wrapper checks first).
  * window: sliding window in tokens, 0 = none; softcap: logit soft cap, 0 = none.
  * kv_bf16: 0 = kv_cache holds float32, 1 = bfloat16 (query and out are float32 either way). */
@@ -65,15 +165,24 @@ int paged_decode(const float *query, int64_t q_stride, const void *kv_cache,
                  int64_t out_stride, int64_t num_reqs, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t max_blocks, float scale, int64_t window, float softcap,
-                 int num_threads, int kv_bf16) {
+                 int num_threads, int kv_bf16, int use_generic) {
   if (num_heads > MAX_HEADS || head_dim > MAX_DIM || block_size > MAX_BLOCK) return 2;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim; /* one token's K (or V), all kv heads */
   const int64_t splits = num_reqs >= num_threads ? 1 : num_kv_heads;
+  const vec_fn vec = use_generic ? NULL : vec_body(head_dim, kv_bf16);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
   for (int64_t item = 0; item < num_reqs * splits; ++item) {
     const int64_t b = item / splits, c = item % splits;
     const int64_t per = num_heads / splits;
+#ifdef __AVX512F__
+    if (vec) {
+      vec(query + b * q_stride, kv_cache, block_table + b * max_blocks, seq_lens[b],
+          out + b * out_stride, c * per, (c + 1) * per, group, row, block_size, scale, window,
+          softcap);
+      continue;
+    }
+#endif
     if (kv_bf16)
       attend_bf16(query + b * q_stride, (const uint16_t *)kv_cache, block_table + b * max_blocks,
                   seq_lens[b], out + b * out_stride, c * per, (c + 1) * per, group, row, head_dim,

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from kernels.cpu.paged_decode import available, paged_decode, paged_decode_reference
+from kernels.cpu.paged_decode import available, paged_decode, paged_decode_reference, vectorized
 
 pytestmark = pytest.mark.skipif(not available(), reason="no C compiler: kernel not built")
 
@@ -104,9 +106,10 @@ def test_a_bfloat16_cache_is_read_as_its_exact_float32_widening(
         window: int | None, cap: float | None, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     """A bf16 cache gives what the float32 kernel gives on the same values widened (bf16 -> f32
     is exact), so the only difference is summation order; and the reference on the bf16 cache
-    agrees."""
+    agrees. The query is bf16-valued, as a bf16 model's is (q.k may take it as bf16)."""
     lens = [1, 15, 16, 17, 203, 700]
     q, cache, table, seq_lens = make_case(lens, num_heads, num_kv_heads, head_dim, 16, seed=head_dim)
+    q = q.bfloat16().float()
     half = cache.to(torch.bfloat16)
     got = paged_decode(q, half, table, seq_lens, head_dim ** -0.5, window, cap)
     torch.testing.assert_close(got, paged_decode(q, half.float(), table, seq_lens, head_dim ** -0.5,
@@ -119,3 +122,32 @@ def test_a_float16_cache_is_rejected() -> None:
     q, cache, table, seq_lens = make_case([5, 40], 4, 2, 64, 16)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         paged_decode(q, cache.half(), table, seq_lens, 0.1)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 32, 48, 64, 128, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 64])
+@pytest.mark.parametrize("window, cap", [(None, None), (37, None), (None, 20.0)])
+def test_vectorized_and_generic_bodies_agree_with_the_reference(
+        kv_dtype: torch.dtype, head_dim: int, block_size: int, window: int | None,
+        cap: float | None) -> None:
+    """The AVX-512 body (head_dim 16..256 in powers of two, where the CPU has it) and the
+    portable loop give the reference's result; head_dim 48 always takes the portable loop.
+    GQA groups of 5 heads per kv head split into register sub-groups for every head_dim."""
+    lens = [1, block_size - 1, block_size + 1, 5 * block_size + 3, 300]
+    q, cache, table, seq_lens = make_case(lens, 10, 2, head_dim, block_size, seed=head_dim + block_size)
+    cache = cache.to(kv_dtype)
+    q = q.bfloat16().float()
+    scale = head_dim ** -0.5
+    want = paged_decode_reference(q, cache, table, seq_lens, scale, window, cap)
+    for generic in (False, True):
+        got = paged_decode(q, cache, table, seq_lens, scale, window, cap, generic=generic)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_the_default_models_shapes_take_the_vectorized_body_on_avx512() -> None:
+    cpuinfo = Path("/proc/cpuinfo")
+    if " avx512f " not in (cpuinfo.read_text() if cpuinfo.exists() else ""):
+        pytest.skip("this CPU has no AVX-512: the portable loop serves every shape")
+    assert vectorized(64, torch.bfloat16) and vectorized(64, torch.float32)
+    assert vectorized(256, torch.bfloat16) and not vectorized(48, torch.float32)
