@@ -11,6 +11,9 @@ on, packing pays for itself and `F.linear` is as fast or faster.
 
 The two orders add the same products in another order, so results may differ in the last bits
 (fp32 rounding), as between any two GEMM kernels. Other devices and dtypes use `F.linear`.
+
+A weight prepacked for oneDNN (`engine.model.prepack`: bf16 on the CPU, an opaque mkldnn
+tensor) goes to `torch.ops.mkldnn._linear_pointwise`, which gives `F.linear`'s bits.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ def linear(
 ) -> torch.Tensor:  # [n, out_features], contiguous
     """`F.linear(x, weight, bias)`; for 2..SKINNY_MAX_ROWS rows of float32 on the CPU, computed as
     `weight @ x.T` (see the module docstring)."""
+    if weight.is_mkldnn:  # prepacked bf16 weight (engine.model.prepack)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     n = x.shape[0]
     if not (1 < n <= SKINNY_MAX_ROWS and x.dim() == 2 and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32):

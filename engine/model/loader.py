@@ -12,6 +12,7 @@ import torch
 from engine.attention.backend import AttentionBackend
 from engine.model.causal_lm import CausalLM
 from engine.model.models import SUPPORTED_ARCHITECTURES, architecture_of
+from engine.model.prepack import prepack_linear_weights
 from engine.model.sources.catalog import CATALOG, resolve_catalog
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "load_config", "load_model", "model_eos_token_ids",
@@ -100,7 +101,9 @@ def load_model(
     config = load_config(model_path)
     model = CausalLM(config, attn_backend, dtype=dtype)
     model.load_weights(iter_safetensors(model_path))
-    return model.to(device).eval(), config
+    model = model.to(device).eval()
+    prepack_linear_weights(model)  # bf16 on the CPU only (engine.model.prepack)
+    return model, config
 
 
 def load_tokenizer(model_path: Path | str) -> Any:

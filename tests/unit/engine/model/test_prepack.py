@@ -1,0 +1,58 @@
+"""Prepacked bf16 CPU weights (engine.model.prepack): bit-identical to F.linear, whole model
+included, and nothing packed for float32 or where oneDNN lacks bf16."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.linear import linear
+from engine.model.prepack import LINEAR_WEIGHTS, can_prepack, prepack_linear_weights
+
+needs_bf16 = pytest.mark.skipif(not can_prepack(torch.bfloat16, "cpu"),
+                                reason="oneDNN has no bf16 GEMM on this CPU: nothing is packed")
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_packed_weight_gives_f_linears_bits(rows: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=g).bfloat16()
+    w = torch.randn(200, 96, generator=g).bfloat16()
+    b = torch.randn(200, generator=g).bfloat16() if with_bias else None
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    assert packed.is_mkldnn
+    assert torch.equal(linear(x, packed, b), F.linear(x, w, b))
+    assert torch.equal(linear(x[:, :96], packed, b), F.linear(x, w, b))  # a view is fine
+
+
+@needs_bf16
+@pytest.mark.parametrize("name", ["llama_tied", "qwen2_bias", "mistral"])
+def test_a_prepacked_bf16_model_gives_the_same_logits(name: str, paged_driver) -> None:  # type: ignore[no-untyped-def]
+    from tests.unit.engine.model.conftest import make_hf_model, make_our_model
+
+    model = make_our_model(make_hf_model(name)).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    count = prepack_linear_weights(model)
+    assert count == 4 * model.num_layers + 1  # qkv, o, gate_up, down per layer, and the head
+    assert all(not getattr(m, n).is_mkldnn for m in plain.modules() for n in LINEAR_WEIGHTS
+               if isinstance(getattr(m, n, None), torch.Tensor))
+    assert not model.embed_tokens.is_mkldnn  # a tied head packs a copy; the lookup keeps rows
+    batch = [("a", list(range(3, 20))), ("b", [5, 9, 11])]
+    got = paged_driver(model).step(batch)
+    want = paged_driver(plain).step(batch)
+    for rid in ("a", "b"):
+        assert torch.equal(got[rid], want[rid])
+    assert prepack_linear_weights(model) == 0  # packed weights are left alone
+
+
+def test_float32_and_other_devices_are_not_packed() -> None:
+    assert not can_prepack(torch.float32, "cpu")
+    assert not can_prepack(torch.bfloat16, "meta")
+    layer = torch.nn.Module()
+    layer.o_weight = torch.nn.Parameter(torch.randn(8, 8))
+    assert prepack_linear_weights(layer) == 0 and isinstance(layer.o_weight, torch.nn.Parameter)
