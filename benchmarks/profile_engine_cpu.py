@@ -103,6 +103,7 @@ def install(labels: Labels) -> None:
     labels.label(tb.TorchAttentionBackend, "forward", "attention")
     labels.label(tb, "write_kv", "kv_write")
     labels.label(layers.RMSNorm, "forward", "norm")
+    labels.label(layers.RMSNorm, "add_and_norm", "norm")  # the residual add fused with the norm
     labels.label(rope.RotaryEmbedding, "forward", "rotary")
     labels.label(mlp, "act_and_mul", "activation")
     labels.label(torch.nn.functional, "embedding", "embedding")
@@ -200,7 +201,7 @@ def table(args: argparse.Namespace, dtype: str, plain_wall: float, wall: float,
             row("  attention", note="minus KV writes: C kernel (decode), SDPA (prefill)",
                 value=lambda k: max(0.0, get(k, "attention") - get(k, "kv_write")))
         else:
-            row(f"  {name}", name)
+            row(f"  {name}", name, "with the residual adds fused into it" if name == "norm" else "")
 
     def unlabelled(kind: str) -> float:
         inner = sum(get(kind, c) for c in FORWARD_CLASSES if c not in ("lm_head", "kv_write"))

@@ -14,6 +14,7 @@ from engine.model.linear import linear
 from engine.model.mlp import GatedMLP, bias, param
 from engine.model.moe import SparseMoE
 from engine.model.rope import RotaryEmbedding
+from kernels.cpu import norm_rope
 
 
 class RMSNorm(nn.Module):
@@ -26,14 +27,29 @@ class RMSNorm(nn.Module):
         self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
+        return self._normalize(x)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemma:
             xf = x.float()
             normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        variance = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x
+        if norm_rope.norm_applies(rows, self.weight):  # bf16 on the CPU: one fused C call
+            return norm_rope.add_rms_norm(rows, None, self.weight, self.eps)[1].view(x.shape)
+        return norm_rope.rms_norm_reference(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x + add, self(x + add))` for [tokens, size] inputs: the residual stream and its norm,
+        in one fused C call for bf16 on the CPU."""
+        if not self.gemma and x.dtype != torch.float32 and norm_rope.norm_applies(x, self.weight):
+            total, normed = norm_rope.add_rms_norm(x, add, self.weight, self.eps)
+            assert total is not None
+            return total, normed
+        total = x + add
+        return total, self._normalize(total)
 
 
 class Attention(nn.Module):
@@ -123,7 +139,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         attn = self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata, long_tokens)
         if not self.gemma_norms:
-            x = x + attn
-            return x + self.mlp(self.post_attention_layernorm(x))
+            x, normed = self.post_attention_layernorm.add_and_norm(x, attn)
+            return x + self.mlp(normed)
         x = x + self.post_attention_layernorm(attn)
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

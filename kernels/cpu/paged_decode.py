@@ -19,16 +19,13 @@ never read), `logits_soft_cap` turns scores into `cap * tanh(q.k * scale / cap)`
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
+
+from kernels.cpu.build import build_and_open, disabled
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +33,6 @@ _SOURCE = Path(__file__).with_name("paged_decode.c")
 # included by the source: the generic loop and the AVX-512 one
 _HEADERS = (Path(__file__).with_name("paged_decode_attend.h"),
             Path(__file__).with_name("paged_decode_avx512.h"))
-# Compiled with -ffast-math (vectorized expf) but linked without it, so the shared object does
-# not carry crtfastmath's flush-to-zero start-up code into the whole process.
-_COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
-_LINK_FLAGS = ["-shared", "-fopenmp"]
 # Sizes the kernel's fixed per-item buffers hold (paged_decode.c MAX_*).
 MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 128, 256, 64
 KV_DTYPES = (torch.float32, torch.bfloat16)  # cache element types the kernel reads
@@ -171,7 +164,7 @@ def _load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     _tried = True
-    if os.environ.get("PDSERVE_DISABLE_CPU_KERNELS") == "1":
+    if disabled():
         return None
     try:
         _lib = _build_and_open()
@@ -182,25 +175,7 @@ def _load() -> ctypes.CDLL | None:
 
 
 def _build_and_open() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise OSError("no C compiler found")
-    source = _SOURCE.read_bytes() + b"".join(h.read_bytes() for h in _HEADERS)
-    flags = " ".join(_COMPILE_FLAGS + _LINK_FLAGS)
-    key = hashlib.sha256(source + flags.encode() + platform.machine().encode()
-                         + platform.node().encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("PDSERVE_CACHE_DIR", Path.home() / ".cache" / "pdserve")) / "kernels"
-    target = cache / f"paged_decode-{key}.so"
-    if not target.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            built, obj = Path(tmp) / target.name, Path(tmp) / "paged_decode.o"
-            subprocess.run([cc, *_COMPILE_FLAGS, "-c", "-o", str(obj), str(_SOURCE)], check=True,
-                           capture_output=True, timeout=120)
-            subprocess.run([cc, *_LINK_FLAGS, "-o", str(built), str(obj), "-lm"], check=True,
-                           capture_output=True, timeout=120)
-            os.replace(built, target)  # atomic: a concurrent build never sees half a file
-    lib = ctypes.CDLL(str(target))
+    lib = build_and_open(_SOURCE, _HEADERS)
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

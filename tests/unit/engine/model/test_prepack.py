@@ -4,6 +4,7 @@ included, and nothing packed for float32 or where oneDNN lacks bf16."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def test_a_packed_weight_gives_f_linears_bits(rows: int, with_bias: bool) -> Non
 
 @needs_bf16
 @pytest.mark.parametrize("name", ["llama_tied", "qwen2_bias", "mistral"])
-def test_a_prepacked_bf16_model_gives_the_same_logits(name: str, paged_driver) -> None:  # type: ignore[no-untyped-def]
+def test_a_prepacked_bf16_model_gives_the_same_logits(name: str, paged_driver: Any) -> None:
     from tests.unit.engine.model.conftest import make_hf_model, make_our_model
 
     model = make_our_model(make_hf_model(name)).to(torch.bfloat16)

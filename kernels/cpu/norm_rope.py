@@ -1,0 +1,136 @@
+"""Fused bf16 RMSNorm (+ residual add) and rotary embedding on the CPU (norm_rope.c), next to
+their PyTorch references, which are the engine's own bf16 code.
+
+The C functions follow the references' roundings step by step, so they give the same bits
+except that RMSNorm's float32 sum of squares is added in another order (at most two bf16 ulps,
+on rare elements; the tests bound it). They exist because a decode step runs these ops on a
+few dozen rows 150 times (default model), where PyTorch's per-op cost, 6-10 ops each, was
+several times the arithmetic. bfloat16 only: float32 models keep the PyTorch ops, the path the
+exactness tests hold to. `available()` says whether the library built (no C compiler, or
+`PDSERVE_DISABLE_CPU_KERNELS=1`: the references serve).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.build import build_and_open, disabled
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("norm_rope.c")
+MAX_ROTARY_HALF = 512  # norm_rope.c's per-token table buffers
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * bf16(x32 * rsqrt(mean(x32^2) + eps))` (transformers' Llama RMSNorm in bf16)."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(x + add, rms_norm(x + add))`: the residual stream and its norm."""
+    total = x + add
+    return total, rms_norm_reference(total, weight, eps)
+
+
+def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     rotary_dim: int) -> torch.Tensor:
+    """NeoX rotary on `x [tokens, heads, head_dim]` with per-token float32 `cos`/`sin`
+    `[tokens, rotary_dim / 2]` (rounded to x's dtype first); a new tensor."""
+    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
+    half = rotary_dim // 2
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    if rotary_dim == x.shape[-1]:
+        return torch.cat(rotated, dim=-1)
+    return torch.cat((*rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `add_rms_norm` takes this input (bf16 CPU rows with contiguous elements)."""
+    return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.dim() == 2 and x.stride(1) == 1 and weight.is_contiguous()
+            and weight.shape == (x.shape[1],) and available())
+
+
+def add_rms_norm(x: torch.Tensor, add: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`(x + add, rms_norm(x + add))`, or `(None, rms_norm(x))` without `add`; x and add are
+    [rows, hidden] bf16 with contiguous rows (check `norm_applies` first)."""
+    lib = _load()
+    assert lib is not None and norm_applies(x, weight)
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    total = None
+    if add is not None:
+        if add.shape != x.shape or add.dtype != x.dtype or add.stride(1) != 1:
+            raise ValueError("add must be bf16 rows of x's shape")
+        total = torch.empty(rows, hidden, dtype=x.dtype)
+    lib.add_rms_norm_bf16(
+        _ptr(x), x.stride(0), _ptr(add) if add is not None else None,
+        add.stride(0) if add is not None else 0, _ptr(total) if total is not None else None,
+        _ptr(weight), _ptr(out), rows, hidden, ctypes.c_float(eps), torch.get_num_threads())
+    return total, out
+
+
+def rotary_applies(x: torch.Tensor, table: torch.Tensor, rotary_dim: int) -> bool:
+    """Whether `rotary_` takes this input: bf16 CPU [tokens, heads, head_dim] with contiguous
+    heads, float32 contiguous tables."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 3
+            and x.stride(2) == 1 and x.stride(1) == x.shape[2] and table.dtype == torch.float32
+            and table.is_contiguous() and rotary_dim % 2 == 0
+            and rotary_dim // 2 <= MAX_ROTARY_HALF and available())
+
+
+def rotary_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, rows: torch.Tensor,
+            rotary_dim: int) -> torch.Tensor:
+    """Rotates `x` in place (and returns it) with table rows `rows` (int64, one per token):
+    the same bits as `rotary_reference(x, cos_table[rows], sin_table[rows], rotary_dim)`."""
+    lib = _load()
+    assert lib is not None and rotary_applies(x, cos_table, rotary_dim)
+    rows = rows.to(torch.int64).contiguous()
+    tokens, heads, head_dim = x.shape
+    if rows.shape != (tokens,):
+        raise ValueError("rows must hold one table row per token")
+    lib.rotary_bf16(_ptr(x), x.stride(0), tokens, heads, head_dim, rotary_dim, _ptr(cos_table),
+                    _ptr(sin_table), _ptr(rows), torch.get_num_threads())
+    return x
+
+
+def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if disabled():
+        return None
+    try:
+        lib = build_and_open(_SOURCE)
+    except (OSError, subprocess.SubprocessError) as exc:
+        logger.warning("CPU norm/rotary kernels unavailable, using the PyTorch path: %s", exc)
+        return None
+    i64, vp = ctypes.c_int64, ctypes.c_void_p
+    lib.add_rms_norm_bf16.restype = None
+    lib.add_rms_norm_bf16.argtypes = [vp, i64, vp, i64, vp, vp, vp, i64, i64, ctypes.c_float,
+                                      ctypes.c_int]
+    lib.rotary_bf16.restype = None
+    lib.rotary_bf16.argtypes = [vp, i64, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int]
+    _lib = lib
+    return _lib
