@@ -10,6 +10,11 @@ Fast path, per step and layer:
   (Measured on 2 cores, 64 decode requests of 64..700 tokens: one padded batched gather + one
   SDPA call is 3-4x slower than this per-request loop, as the padded gather goes through RAM.)
 
+bf16 on a CPU with AVX512-BF16 (layers without window or cap) takes two C kernels instead:
+decode tokens through kernels/cpu/paged_decode.c, every multi-token request (fresh prompt or
+chunk) through kernels/cpu/paged_prefill.c, both reading K/V from the cache, one call per layer
+each. The paths below serve float32 (the exactness reference), other CPUs and other devices.
+
 Every SDPA call gets 4-D `[1, heads, len, d]` inputs: on CPU, 3-D inputs take the unfused math
 path, measured 4x slower (L=512, 9 heads, d=64, 2 threads).
 GQA is handled without repeating K/V: the `group = num_heads // num_kv_heads` query heads that
@@ -34,6 +39,7 @@ import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, check_attention_options
 from kernels.cpu import paged_decode as paged_decode_kernel
+from kernels.cpu import paged_prefill as paged_prefill_kernel
 
 _QUERY_CHUNK = 256  # new tokens per attention call on the windowed / capped multi-token path
 
@@ -58,12 +64,13 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(kv_cache, key, value, metadata.slot_mapping)
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         decode_done = self._decode_with_kernel(query, kv_cache, metadata, scale, out, window, cap)
+        prefill_done = self._prefill_with_kernel(query, kv_cache, metadata, scale, out, window, cap)
         start = 0
         lens = zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
         for i, (q_len, s_len) in enumerate(lens):
             rows = slice(start, start + q_len)
             start += q_len
-            if q_len == 0 or (q_len == 1 and decode_done):
+            if q_len == 0 or (q_len == 1 and decode_done) or (q_len > 1 and prefill_done):
                 continue
             win = window if window is not None and window < s_len else None
             plain = win is None and cap is None
@@ -118,6 +125,44 @@ class TorchAttentionBackend(AttentionBackend):
         out[rows] = paged_decode_kernel.paged_decode(
             query[rows].float().contiguous(), kv_cache, metadata.block_table[idx].contiguous(),
             metadata.seq_lens[idx].contiguous(), scale, window, cap).to(out.dtype)
+        return True
+
+
+    @staticmethod
+    def _prefill_with_kernel(
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], filled for multi-token rows
+        window: int | None,
+        cap: float | None,
+    ) -> bool:
+        """All multi-token requests (fresh prompts and chunks after cached context) at once
+        through the compiled bf16 prefill kernel, when it applies (bf16 query and cache on a CPU
+        with AVX512-BF16, no window or cap in this layer); returns whether it handled them.
+        Their K/V are in the cache already (written above)."""
+        if (window is not None or cap is not None or query.device.type != "cpu"
+                or query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16
+                or not paged_prefill_kernel.supports(query.shape[1], kv_cache.shape[3],
+                                                     query.shape[2], kv_cache.shape[2])):
+            return False
+        starts, q_lens, seq_lens, idx = [], [], [], []
+        start = 0
+        for i, (q_len, s_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu,
+                                               strict=True)):
+            if q_len > 1:
+                starts.append(start)
+                q_lens.append(q_len)
+                seq_lens.append(s_len)
+                idx.append(i)
+            start += q_len
+        if idx:
+            table = metadata.block_table
+            if len(idx) != metadata.num_reqs:
+                table = table[torch.tensor(idx, dtype=torch.long)]
+            paged_prefill_kernel.paged_prefill(query, kv_cache, table.contiguous(), starts, q_lens,
+                                               seq_lens, scale, out)
         return True
 
 

@@ -89,3 +89,41 @@ def test_skipped_slots_leave_the_cache_untouched() -> None:
     written = int((cache != 0).any(dim=-1).sum())
     assert written == 2 * 4  # 4 of 6 tokens (slots 2 and 5 are -1), K and V each
     assert not cache[0].any()  # the null block is never written
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("mix", sorted(MIXES))
+@pytest.mark.parametrize("holes", [False, True])
+def test_bf16_backend_takes_the_cpu_kernels_and_matches_reference(
+        block_size: int, mix: str, holes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU with AVX512-BF16: decode rows through the paged-decode kernel, every
+    multi-token request through the paged-prefill kernel (one call per layer), within bf16
+    rounding of the float64 reference."""
+    from kernels.cpu import paged_prefill
+
+    if not paged_prefill.supports(6, 2, 64, block_size):
+        pytest.skip("needs a C compiler and a CPU with AVX512-BF16")
+    calls: list[list[int]] = []
+    kernel = paged_prefill.paged_prefill
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(list(args[4]))  # q_len of each request it took
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(paged_prefill, "paged_prefill", counted)
+    metadata, num_blocks, true_slots = _batch(MIXES[mix], block_size, holes, seed=block_size)
+    torch.manual_seed(1)
+    n = sum(metadata.query_lens_cpu)
+    q, k, v = (torch.randn(n, h, 64).bfloat16() for h in (6, 2, 2))
+    cache = torch.randn(num_blocks, 2, block_size, 2, 64).bfloat16()
+    for t, (slot, true_slot) in enumerate(zip(metadata.slot_mapping.tolist(), true_slots, strict=True)):
+        if slot < 0:
+            cache[true_slot // block_size, 0, true_slot % block_size] = k[t]
+            cache[true_slot // block_size, 1, true_slot % block_size] = v[t]
+    ref_cache = cache.double().clone()
+    ref = reference_paged_attention(q.double(), k.double(), v.double(), ref_cache, metadata, 0.125)
+    out = TorchAttentionBackend().forward(q, k, v, cache, metadata, 0.125)
+    assert out.dtype == torch.bfloat16
+    assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    multi = [q_len for q_len in metadata.query_lens_cpu if q_len > 1]
+    assert calls == ([multi] if multi else [])
