@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata, check_attention_options
+from kernels.cpu import fused_ops
 from kernels.cpu import paged_decode as paged_decode_kernel
 from kernels.cpu import paged_prefill as paged_prefill_kernel
 
@@ -172,15 +173,12 @@ def write_kv(
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = skip
 ) -> None:
-    """Store each token's K and V at its slot (`block_id * block_size + offset`)."""
-    block_size = kv_cache.shape[2]
-    keep = slot_mapping >= 0
-    if not bool(keep.all()):
-        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping - blocks * block_size
-    # Advanced indices around a slice: the indexed view is [num_tokens, 2, kv_heads, head_dim].
-    kv_cache[blocks, :, offsets] = torch.stack((key, value), dim=1).to(kv_cache.dtype)
+    """Store each token's K and V at its slot (`block_id * block_size + offset`): one C call on
+    the CPU (a row copy, kernels/cpu/fused_ops.c), else the PyTorch indexed assignment."""
+    if fused_ops.write_kv_applies(kv_cache, key, value, slot_mapping):
+        fused_ops.write_kv(kv_cache, key, value, slot_mapping)
+    else:
+        fused_ops.write_kv_reference(kv_cache, key, value, slot_mapping)
 
 
 def _fold_gqa(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

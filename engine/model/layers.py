@@ -14,7 +14,7 @@ from engine.model.linear import linear
 from engine.model.mlp import GatedMLP, bias, param
 from engine.model.moe import SparseMoE
 from engine.model.rope import RotaryEmbedding
-from kernels.cpu import norm_rope
+from kernels.cpu import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -37,15 +37,15 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         rows = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else x
-        if norm_rope.norm_applies(rows, self.weight):  # bf16 on the CPU: one fused C call
-            return norm_rope.add_rms_norm(rows, None, self.weight, self.eps)[1].view(x.shape)
-        return norm_rope.rms_norm_reference(x, self.weight, self.eps)
+        if fused_ops.norm_applies(rows, self.weight):  # bf16 on the CPU: one fused C call
+            return fused_ops.add_rms_norm(rows, None, self.weight, self.eps)[1].view(x.shape)
+        return fused_ops.rms_norm_reference(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, add: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`(x + add, self(x + add))` for [tokens, size] inputs: the residual stream and its norm,
         in one fused C call for bf16 on the CPU."""
-        if not self.gemma and x.dtype != torch.float32 and norm_rope.norm_applies(x, self.weight):
-            total, normed = norm_rope.add_rms_norm(x, add, self.weight, self.eps)
+        if not self.gemma and x.dtype != torch.float32 and fused_ops.norm_applies(x, self.weight):
+            total, normed = fused_ops.add_rms_norm(x, add, self.weight, self.eps)
             assert total is not None
             return total, normed
         total = x + add

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.model.linear import linear
+from kernels.cpu import fused_ops
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -26,6 +27,8 @@ def bias(size: int, enabled: bool, dtype: torch.dtype) -> nn.Parameter | None:
 def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """`act(gate) * up` for SwiGLU ("silu") and GeGLU ("gelu_tanh"); may reuse `gate`."""
     if activation == "silu":
+        if fused_ops.silu_and_mul_applies(gate, up):  # bf16 on the CPU: one C call
+            return fused_ops.silu_and_mul(gate, up)
         return F.silu(gate).mul_(up)
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh").mul_(up)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.cpu import norm_rope
+from kernels.cpu import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
@@ -181,10 +181,10 @@ class RotaryEmbedding(nn.Module):
         long_tokens: torch.Tensor | None = None,  # [num_tokens] bool, LongRoPE only
     ) -> torch.Tensor:
         """Returns the rotated `x`: bf16 on the CPU is rotated in place by one fused C call
-        (kernels/cpu/norm_rope.c, the same bits as the code below), others get a new tensor."""
+        (kernels/cpu/fused_ops.c, the same bits as the code below), others get a new tensor."""
         rows = positions if long_tokens is None else positions + long_tokens * self.num_positions
-        if norm_rope.rotary_applies(x, self.cos, self.rotary_dim):
-            return norm_rope.rotary_(x, self.cos, self.sin, rows, self.rotary_dim)
+        if fused_ops.rotary_applies(x, self.cos, self.rotary_dim):
+            return fused_ops.rotary_(x, self.cos, self.sin, rows, self.rotary_dim)
         cos = self.cos[rows].unsqueeze(1).to(x.dtype)  # [num_tokens, 1, rotary_dim / 2]
         sin = self.sin[rows].unsqueeze(1).to(x.dtype)
         half = self.rotary_dim // 2

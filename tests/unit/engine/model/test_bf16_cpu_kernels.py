@@ -1,5 +1,5 @@
 """A bf16 model on the CPU runs its norms, residual adds and rotary through the fused C kernels
-(kernels/cpu/norm_rope.c); with the kernels off it runs the PyTorch references. Both give the
+(kernels/cpu/fused_ops.c); with the kernels off it runs the PyTorch references. Both give the
 same logits up to bf16 rounding of the norms (rotary and adds are bit-exact, see the kernel
 tests), for plain, untied-GQA and q/k-norm (Qwen3) layouts."""
 
@@ -12,10 +12,10 @@ import torch
 
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.model.causal_lm import CausalLM
-from kernels.cpu import norm_rope
+from kernels.cpu import fused_ops
 from tests.unit.engine.model.conftest import make_hf_model
 
-pytestmark = pytest.mark.skipif(not norm_rope.available(), reason="no C compiler: kernel not built")
+pytestmark = pytest.mark.skipif(not fused_ops.available(), reason="no C compiler: kernel not built")
 
 
 @pytest.mark.parametrize("name", ["llama_tied", "llama_untied_gqa1", "qwen3"])
@@ -25,7 +25,7 @@ def test_fused_kernels_match_the_pytorch_path(name: str, paged_driver: Any,
     model = CausalLM(hf_model.config, TorchAttentionBackend(), dtype=torch.bfloat16)
     model.load_weights(hf_model.state_dict().items())  # rotary tables stay float32
     calls = {"norm": 0, "rotary": 0}
-    norm, rotary = norm_rope.add_rms_norm, norm_rope.rotary_
+    norm, rotary = fused_ops.add_rms_norm, fused_ops.rotary_
 
     def counted_norm(*a: Any, **k: Any) -> Any:
         calls["norm"] += 1
@@ -35,12 +35,12 @@ def test_fused_kernels_match_the_pytorch_path(name: str, paged_driver: Any,
         calls["rotary"] += 1
         return rotary(*a, **k)
 
-    monkeypatch.setattr(norm_rope, "add_rms_norm", counted_norm)
-    monkeypatch.setattr(norm_rope, "rotary_", counted_rotary)
+    monkeypatch.setattr(fused_ops, "add_rms_norm", counted_norm)
+    monkeypatch.setattr(fused_ops, "rotary_", counted_rotary)
     batch = [("a", list(range(3, 20))), ("b", [5, 9, 11])]
     fused = paged_driver(model).step(batch)
     assert calls["norm"] >= 2 * model.num_layers + 1 and calls["rotary"] >= model.num_layers
-    monkeypatch.setattr(norm_rope, "available", lambda: False)
+    monkeypatch.setattr(fused_ops, "available", lambda: False)
     calls.update(norm=0, rotary=0)
     plain = paged_driver(model).step(batch)
     assert calls == {"norm": 0, "rotary": 0}

@@ -1,5 +1,6 @@
-"""Fused bf16 RMSNorm (+ residual add) and rotary embedding on the CPU (norm_rope.c), next to
-their PyTorch references, which are the engine's own bf16 code.
+"""Fused CPU ops (fused_ops.c), next to their PyTorch references, which are the engine's own
+code: bf16 RMSNorm (+ residual add), bf16 rotary embedding, bf16 SwiGLU's silu(gate) * up, and
+the KV cache write (any dtype: a copy).
 
 The C functions follow the references' roundings step by step, so they give the same bits
 except that RMSNorm's float32 sum of squares is added in another order (at most two bf16 ulps,
@@ -18,13 +19,14 @@ import subprocess
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from kernels.cpu.build import build_and_open, disabled
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("norm_rope.c")
-MAX_ROTARY_HALF = 512  # norm_rope.c's per-token table buffers
+_SOURCE = Path(__file__).with_name("fused_ops.c")
+MAX_ROTARY_HALF = 512  # fused_ops.c's per-token table buffers
 _lib: ctypes.CDLL | None = None
 _tried = False
 
@@ -53,6 +55,24 @@ def rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if rotary_dim == x.shape[-1]:
         return torch.cat(rotated, dim=-1)
     return torch.cat((*rotated, x[..., rotary_dim:]), dim=-1)
+
+
+def write_kv_reference(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """Each token's K and V at its slot of `kv_cache [blocks, 2, block_size, kv_heads, d]`
+    (`block * block_size + offset`; -1 skips the token)."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    # Advanced indices around a slice: the indexed view is [num_tokens, 2, kv_heads, head_dim].
+    kv_cache[blocks, :, offsets] = torch.stack((key, value), dim=1).to(kv_cache.dtype)
+
+
+def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def available() -> bool:
@@ -110,6 +130,47 @@ def rotary_(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, r
     return x
 
 
+def write_kv_applies(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> bool:
+    """Whether `write_kv` takes these: CPU tensors of the cache's dtype, each token's
+    [kv_heads, head_dim] contiguous, a contiguous cache, int64 slots."""
+    return (kv_cache.device.type == "cpu" and key.dtype == value.dtype == kv_cache.dtype
+            and key.shape == value.shape and key.dim() == 3 and kv_cache.is_contiguous()
+            and key.shape[1:] == kv_cache.shape[3:] and slot_mapping.dtype == torch.int64
+            and slot_mapping.shape == key.shape[:1]
+            and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (key, value))
+            and available())
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """`write_kv_reference` in one C call (check `write_kv_applies` first); a copy, so exact."""
+    lib = _load()
+    assert lib is not None
+    slots = slot_mapping.contiguous()
+    size = key.element_size()
+    row_bytes = key.shape[1] * key.shape[2] * size
+    lib.write_kv_rows(_ptr(key), key.stride(0) * size, _ptr(value), value.stride(0) * size,
+                      _ptr(kv_cache), _ptr(slots), key.shape[0], kv_cache.shape[2], row_bytes,
+                      torch.get_num_threads())
+
+
+def silu_and_mul_applies(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return (gate.dtype == up.dtype == torch.bfloat16 and gate.device.type == "cpu"
+            and gate.dim() == 2 and gate.shape == up.shape and gate.stride(1) == 1
+            and up.stride(1) == 1 and available())
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` for bf16 rows with PyTorch's roundings (check `silu_and_mul_applies`)."""
+    lib = _load()
+    assert lib is not None
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    lib.silu_and_mul_bf16(_ptr(gate), gate.stride(0), _ptr(up), up.stride(0), _ptr(out),
+                          gate.shape[0], gate.shape[1], torch.get_num_threads())
+    return out
+
+
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
@@ -132,5 +193,9 @@ def _load() -> ctypes.CDLL | None:
                                       ctypes.c_int]
     lib.rotary_bf16.restype = None
     lib.rotary_bf16.argtypes = [vp, i64, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int]
+    lib.write_kv_rows.restype = None
+    lib.write_kv_rows.argtypes = [vp, i64, vp, i64, vp, vp, i64, i64, i64, ctypes.c_int]
+    lib.silu_and_mul_bf16.restype = None
+    lib.silu_and_mul_bf16.argtypes = [vp, i64, vp, i64, vp, i64, i64, ctypes.c_int]
     _lib = lib
     return _lib
