@@ -183,7 +183,7 @@ def _load() -> ctypes.CDLL | None:
     if disabled():
         return None
     try:
-        lib = build_and_open(_SOURCE)
+        lib = build_and_open(_SOURCE, (_SOURCE.with_name("simd_math.h"),))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("CPU norm/rotary kernels unavailable, using the PyTorch path: %s", exc)
         return None

@@ -126,7 +126,7 @@ def _load() -> ctypes.CDLL | None:
     if disabled():
         return None
     try:
-        lib = build_and_open(_SOURCE)
+        lib = build_and_open(_SOURCE, (_SOURCE.with_name("simd_math.h"),))
     except (OSError, subprocess.SubprocessError) as exc:
         logger.warning("CPU paged-prefill kernel unavailable, using SDPA: %s", exc)
         return None
