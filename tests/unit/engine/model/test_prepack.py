@@ -1,5 +1,6 @@
-"""Prepacked bf16 CPU weights (engine.model.prepack): bit-identical to F.linear, whole model
-included, and nothing packed for float32 or where oneDNN lacks bf16."""
+"""Prepacked CPU weights (engine.model.prepack): bf16 bit-identical to F.linear, whole model
+included; float32 equal to it up to rounding; other dtypes, devices and the off switch left
+plain."""
 
 from __future__ import annotations
 
@@ -51,9 +52,25 @@ def test_a_prepacked_bf16_model_gives_the_same_logits(name: str, paged_driver: A
     assert prepack_linear_weights(model) == 0  # packed weights are left alone
 
 
-def test_float32_and_other_devices_are_not_packed() -> None:
-    assert not can_prepack(torch.float32, "cpu")
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+def test_a_packed_float32_weight_is_f_linear_up_to_rounding(rows: int) -> None:
+    if not can_prepack(torch.float32, "cpu"):
+        pytest.skip("no oneDNN in this torch build")
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 96, generator=g), torch.randn(200, 96, generator=g)
+    b = torch.randn(200, generator=g)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    exact = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(linear(x, packed, b).double(), exact, rtol=1e-5, atol=1e-4)
+
+
+def test_other_devices_and_dtypes_and_the_off_switch_are_not_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not can_prepack(torch.float16, "cpu")
     assert not can_prepack(torch.bfloat16, "meta")
     layer = torch.nn.Module()
-    layer.o_weight = torch.nn.Parameter(torch.randn(8, 8))
+    layer.o_weight = torch.nn.Parameter(torch.randn(8, 8).double())
     assert prepack_linear_weights(layer) == 0 and isinstance(layer.o_weight, torch.nn.Parameter)
+    layer.o_weight = torch.nn.Parameter(torch.randn(8, 8))
+    monkeypatch.setenv("PDSERVE_DISABLE_PREPACK", "1")
+    assert prepack_linear_weights(layer) == 0 and not layer.o_weight.is_mkldnn
