@@ -12,10 +12,11 @@ arrival time of every streamed chunk. Per request:
 
 Per setup the table gives medians over requests of TTFT, first gap, steady ITL and the ratio
 first gap / steady ITL (per request, then the median), and the worker's own time to first token
-(`vllm:time_to_first_token_seconds` of the prefill worker, or of the colocated worker: its sum
-and count over the measured requests, read from its /metrics) against the client's TTFT, and
-the router's `pdserve:handoff_seconds` over the same requests. Issue 33 asks the split for a
-first gap <= 1.2x its steady ITL and a TTFT <= the prefill worker's own + 10%.
+(queue plus prefill time of the prefill worker, or of the colocated worker, over the measured
+requests, read from its /metrics) against the client's TTFT, the router's
+`pdserve:handoff_seconds` and the decode worker's own arrival-to-first-token time. Issue 33
+asks the split for a first gap <= 1.2x its steady ITL and a TTFT <= the prefill worker's own
++ 10%.
 
     python benchmarks/bench_handoff.py [--requests 12] [--prompt-len 1000] [--output-len 32]
         [--setups split,colocated] [--repeats 1]
@@ -82,6 +83,19 @@ def scrape(client: httpx.Client, url: str, name: str) -> tuple[float, float]:
     return metric_sum_count(client.get(url, timeout=10).text, name)
 
 
+# A worker's own time to first token: its queue time (arrival -> first scheduled step) plus its
+# prefill time (-> first token); for a decode worker the "prefill" is loading the KV and the
+# first decode step.
+WORKER_TTFT = ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds")
+
+
+def worker_ttft(client: httpx.Client, url: str) -> tuple[float, float]:
+    """(seconds summed over both histograms, requests counted)."""
+    text = client.get(url, timeout=10).text
+    parts = [metric_sum_count(text, name) for name in WORKER_TTFT]
+    return sum(p[0] for p in parts), parts[1][1]
+
+
 def one_request(client: httpx.Client, base: str, prompt: list[int], args: argparse.Namespace,
                 model: str) -> list[float]:
     """Seconds from sending to each streamed chunk that carries text."""
@@ -110,7 +124,8 @@ def run_setup(name: str, args: argparse.Namespace, log_dir: Path, prompts: list[
     if name == "colocated":
         argv.append("--colocated")
     # worker metrics: gRPC port + the default offset (1000); the colocated worker is the decode one
-    metrics_port = (pre if name == "split" else dec) + 1000
+    first_url = f"http://127.0.0.1:{(pre if name == 'split' else dec) + 1000}/metrics"
+    decode_url = f"http://127.0.0.1:{dec + 1000}/metrics" if name == "split" else None
     server = Server(name, argv, port, "pdserve is up", log_dir / f"{name}.log")
     try:
         server.wait_ready(args.startup_timeout_s)
@@ -121,18 +136,21 @@ def run_setup(name: str, args: argparse.Namespace, log_dir: Path, prompts: list[
                     for _ in range(args.warmup)]
             for prompt in warm:
                 one_request(client, base, prompt, args, model)
-            worker_url = f"http://127.0.0.1:{metrics_port}/metrics"
-            w0 = scrape(client, worker_url, "vllm:time_to_first_token_seconds")
+            w0 = worker_ttft(client, first_url)
+            d0 = worker_ttft(client, decode_url) if decode_url else (0.0, 0.0)
             h0 = scrape(client, f"{base}/metrics", "pdserve:handoff_seconds")
             per = [one_request(client, base, p, args, model) for p in prompts]
-            w1 = scrape(client, worker_url, "vllm:time_to_first_token_seconds")
+            w1 = worker_ttft(client, first_url)
+            d1 = worker_ttft(client, decode_url) if decode_url else (0.0, 0.0)
             h1 = scrape(client, f"{base}/metrics", "pdserve:handoff_seconds")
     finally:
         server.stop()
-    worker_count = w1[1] - w0[1]
-    return {"per": per, "worker_ttft": (w1[0] - w0[0]) / worker_count if worker_count else None,
-            "worker_count": worker_count,
-            "handoff": (h1[0] - h0[0]) / (h1[1] - h0[1]) if h1[1] > h0[1] else None}
+
+    def mean(a: tuple[float, float], b: tuple[float, float]) -> float | None:
+        return (b[0] - a[0]) / (b[1] - a[1]) if b[1] > a[1] else None
+
+    return {"per": per, "worker_ttft": mean(w0, w1), "decode_ttft": mean(d0, d1),
+            "handoff": mean(h0, h1)}
 
 
 def summarize(name: str, runs: list[dict[str, Any]]) -> list[object]:
@@ -145,11 +163,13 @@ def summarize(name: str, runs: list[dict[str, Any]]) -> list[object]:
     worker = statistics.mean(wt) if wt else None
     mean_ttft = statistics.mean(t[0] for t in per)
     handoffs = [r["handoff"] for r in runs if r["handoff"] is not None]
+    dt = [r["decode_ttft"] for r in runs if r["decode_ttft"] is not None]
     return [name, len(per), f"{ttft * 1e3:.0f}", f"{mean_ttft * 1e3:.0f}",
             f"{worker * 1e3:.0f}" if worker is not None else "-",
             f"{mean_ttft / worker:.2f}" if worker else "-",
             f"{first_gap * 1e3:.0f}", f"{statistics.median(steady) * 1e3:.1f}", f"{ratio:.2f}",
-            f"{statistics.mean(handoffs) * 1e3:.0f}" if handoffs else "-"]
+            f"{statistics.mean(handoffs) * 1e3:.0f}" if handoffs else "-",
+            f"{statistics.mean(dt) * 1e3:.0f}" if dt else "-"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -176,11 +196,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [summarize(n, results[n]) for n in names]
     print(markdown_table(["setup", "requests", "TTFT p50 ms", "TTFT mean ms",
                           "worker TTFT mean ms", "TTFT / worker's", "first gap p50 ms",
-                          "steady ITL p50 ms", "first gap / ITL (p50)", "router handoff mean ms"],
+                          "steady ITL p50 ms", "first gap / ITL (p50)", "router handoff mean ms",
+                          "decode worker TTFT mean ms"],
                          rows))
-    print("worker TTFT: the prefill worker's own (split) or the colocated worker's, from its "
-          "vllm:time_to_first_token_seconds; router handoff: pdserve:handoff_seconds (prefill's "
-          f"first token -> decode's first). Logs: {log_dir}")
+    print("worker TTFT: the prefill worker's own (split) or the colocated worker's: its "
+          "vllm:request_queue_time_seconds + vllm:request_prefill_time_seconds (arrival -> first "
+          "token); decode worker TTFT: the same on the split's decode worker (arrival -> its "
+          "first token: KV load and first step); router handoff: pdserve:handoff_seconds "
+          f"(prefill's first token -> decode's first). Logs: {log_dir}")
     return 0
 
 
