@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
 
 # Compiled with -ffast-math (vectorized expf) but linked without it, so the shared object does
 # not carry crtfastmath's flush-to-zero start-up code into the whole process.
@@ -51,3 +56,35 @@ def build_and_open(source: Path, headers: tuple[Path, ...] = (),
                            capture_output=True, timeout=120)
             os.replace(built, target)  # atomic: a concurrent build never sees half a file
     return ctypes.CDLL(str(target))
+
+
+def ptr(t: Any) -> ctypes.c_void_p:
+    """A tensor's data pointer for a ctypes call."""
+    return ctypes.c_void_p(t.data_ptr())
+
+
+class LazyLibrary:
+    """A kernel library built and opened on first use, once per process: `get()` returns it,
+    or None where it cannot be built (logged once; callers take their PyTorch path) or C
+    kernels are disabled. `declare(lib)` sets the functions' ctypes signatures."""
+
+    def __init__(self, source: Path, headers: tuple[Path, ...], what: str,
+                 declare: Callable[[ctypes.CDLL], None]) -> None:
+        self.source, self.headers, self.what, self.declare = source, headers, what, declare
+        self._lib: ctypes.CDLL | None = None
+        self._tried = False
+
+    def get(self) -> ctypes.CDLL | None:
+        if self._tried:
+            return self._lib
+        self._tried = True
+        if disabled():
+            return None
+        try:
+            lib = build_and_open(self.source, self.headers)
+        except (OSError, subprocess.SubprocessError) as exc:
+            logger.warning("%s unavailable, using the PyTorch path: %s", self.what, exc)
+            return None
+        self.declare(lib)
+        self._lib = lib
+        return lib

@@ -14,21 +14,16 @@ exactness tests hold to. `available()` says whether the library built (no C comp
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.build import build_and_open, disabled
-
-logger = logging.getLogger(__name__)
+from kernels.cpu.build import LazyLibrary
+from kernels.cpu.build import ptr as _ptr
 
 _SOURCE = Path(__file__).with_name("fused_ops.c")
 MAX_ROTARY_HALF = 512  # fused_ops.c's per-token table buffers
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -171,22 +166,7 @@ def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if disabled():
-        return None
-    try:
-        lib = build_and_open(_SOURCE, (_SOURCE.with_name("simd_math.h"),))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU norm/rotary kernels unavailable, using the PyTorch path: %s", exc)
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.add_rms_norm_bf16.restype = None
     lib.add_rms_norm_bf16.argtypes = [vp, i64, vp, i64, vp, vp, vp, i64, i64, ctypes.c_float,
@@ -197,5 +177,10 @@ def _load() -> ctypes.CDLL | None:
     lib.write_kv_rows.argtypes = [vp, i64, vp, i64, vp, vp, i64, i64, i64, ctypes.c_int]
     lib.silu_and_mul_bf16.restype = None
     lib.silu_and_mul_bf16.argtypes = [vp, i64, vp, i64, vp, i64, i64, ctypes.c_int]
-    _lib = lib
-    return _lib
+
+
+_LIB = LazyLibrary(_SOURCE, (_SOURCE.with_name("simd_math.h"),), "CPU fused-op kernels", _declare)
+
+
+def _load() -> ctypes.CDLL | None:
+    return _LIB.get()

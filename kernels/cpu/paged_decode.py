@@ -19,15 +19,12 @@ never read), `logits_soft_cap` turns scores into `cap * tanh(q.k * scale / cap)`
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import build_and_open, disabled
-
-logger = logging.getLogger(__name__)
+from kernels.cpu.build import LazyLibrary
+from kernels.cpu.build import ptr as _ptr
 
 _SOURCE = Path(__file__).with_name("paged_decode.c")
 # included by the source: the generic loop and the AVX-512 one
@@ -36,8 +33,6 @@ _HEADERS = (Path(__file__).with_name("paged_decode_attend.h"),
 # Sizes the kernel's fixed per-item buffers hold (paged_decode.c MAX_*).
 MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 128, 256, 64
 KV_DTYPES = (torch.float32, torch.bfloat16)  # cache element types the kernel reads
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
 def paged_decode_reference(
@@ -155,27 +150,7 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torc
                          f"(<= {MAX_BLOCK_SIZE})")
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if disabled():
-        return None
-    try:
-        _lib = _build_and_open()
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU paged-decode kernel unavailable, using the PyTorch path: %s", exc)
-        _lib = None
-    return _lib
-
-
-def _build_and_open() -> ctypes.CDLL:
-    lib = build_and_open(_SOURCE, _HEADERS)
+def _declare(lib: ctypes.CDLL) -> None:
     lib.paged_decode.restype = ctypes.c_int
     lib.paged_decode.argtypes = [
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -184,4 +159,10 @@ def _build_and_open() -> ctypes.CDLL:
         ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.paged_decode_vectorized.restype = ctypes.c_int
     lib.paged_decode_vectorized.argtypes = [ctypes.c_int64, ctypes.c_int]
-    return lib
+
+
+_LIB = LazyLibrary(_SOURCE, _HEADERS, "CPU paged-decode kernel", _declare)
+
+
+def _load() -> ctypes.CDLL | None:
+    return _LIB.get()

@@ -13,20 +13,15 @@ in float32), softmax and p.V in float32, the output rounded to bf16 once.
 from __future__ import annotations
 
 import ctypes
-import logging
-import subprocess
 from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import build_and_open, disabled
-
-logger = logging.getLogger(__name__)
+from kernels.cpu.build import LazyLibrary
+from kernels.cpu.build import ptr as _ptr
 
 _SOURCE = Path(__file__).with_name("paged_prefill.c")
 MAX_GROUP = 128  # query heads per kv head the kernel's tile buffers hold
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
 def paged_prefill_reference(
@@ -114,27 +109,17 @@ def paged_prefill(
         raise ValueError("paged_prefill: sizes over the kernel's limits")
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
-
-
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if disabled():
-        return None
-    try:
-        lib = build_and_open(_SOURCE, (_SOURCE.with_name("simd_math.h"),))
-    except (OSError, subprocess.SubprocessError) as exc:
-        logger.warning("CPU paged-prefill kernel unavailable, using SDPA: %s", exc)
-        return None
+def _declare(lib: ctypes.CDLL) -> None:
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.paged_prefill_supported.restype = ctypes.c_int
     lib.paged_prefill_supported.argtypes = [i64, i64]
     lib.paged_prefill.restype = ctypes.c_int
     lib.paged_prefill.argtypes = [vp, i64, vp, vp, i64, vp, vp, vp, i64, vp, i64, i64, i64, i64,
                                   i64, ctypes.c_float, ctypes.c_int]
-    _lib = lib
-    return _lib
+
+
+_LIB = LazyLibrary(_SOURCE, (_SOURCE.with_name("simd_math.h"),), "CPU paged-prefill kernel", _declare)
+
+
+def _load() -> ctypes.CDLL | None:
+    return _LIB.get()

@@ -46,6 +46,16 @@ def _batch(reqs: list[tuple[int, int]], block_size: int, holes: bool, seed: int)
     return metadata, num_blocks, true_slots
 
 
+def _place_skipped(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   metadata: AttentionMetadata, true_slots: list[int]) -> None:
+    """A skipped token's (slot -1) K/V is already in the cache, as after a prefix-cache load."""
+    block_size = cache.shape[2]
+    for t, (slot, true_slot) in enumerate(zip(metadata.slot_mapping.tolist(), true_slots, strict=True)):
+        if slot < 0:
+            cache[true_slot // block_size, 0, true_slot % block_size] = k[t]
+            cache[true_slot // block_size, 1, true_slot % block_size] = v[t]
+
+
 MIXES = {
     "pure_prefill": [(0, 7), (0, 1), (0, 19)],
     "chunked_with_context": [(5, 7), (12, 3), (1, 9)],
@@ -67,10 +77,7 @@ def test_backend_matches_reference(block_size, num_heads, num_kv_heads, mix, hol
     v = torch.randn(n, num_kv_heads, HEAD_DIM)
     # a cache pre-filled with random "earlier" K/V (the cached context)
     cache = torch.randn(num_blocks, 2, block_size, num_kv_heads, HEAD_DIM)
-    for t, (slot, true_slot) in enumerate(zip(metadata.slot_mapping.tolist(), true_slots, strict=True)):
-        if slot < 0:  # a skipped token's K/V is already in the cache
-            cache[true_slot // block_size, 0, true_slot % block_size] = k[t]
-            cache[true_slot // block_size, 1, true_slot % block_size] = v[t]
+    _place_skipped(cache, k, v, metadata, true_slots)
     ref_cache = cache.double().clone()
     ref = reference_paged_attention(q.double(), k.double(), v.double(), ref_cache, metadata, 0.3)
 
@@ -116,10 +123,7 @@ def test_bf16_backend_takes_the_cpu_kernels_and_matches_reference(
     n = sum(metadata.query_lens_cpu)
     q, k, v = (torch.randn(n, h, 64).bfloat16() for h in (6, 2, 2))
     cache = torch.randn(num_blocks, 2, block_size, 2, 64).bfloat16()
-    for t, (slot, true_slot) in enumerate(zip(metadata.slot_mapping.tolist(), true_slots, strict=True)):
-        if slot < 0:
-            cache[true_slot // block_size, 0, true_slot % block_size] = k[t]
-            cache[true_slot // block_size, 1, true_slot % block_size] = v[t]
+    _place_skipped(cache, k, v, metadata, true_slots)
     ref_cache = cache.double().clone()
     ref = reference_paged_attention(q.double(), k.double(), v.double(), ref_cache, metadata, 0.125)
     out = TorchAttentionBackend().forward(q, k, v, cache, metadata, 0.125)
