@@ -143,6 +143,8 @@ class TorchAttentionBackend(AttentionBackend):
         through the compiled bf16 prefill kernel, when it applies (bf16 query and cache on a CPU
         with AVX512-BF16, no window or cap in this layer); returns whether it handled them.
         Their K/V are in the cache already (written above)."""
+        if metadata.max_query_len <= 1:  # a pure decode step: nothing to do, no per-request loop
+            return True
         if (window is not None or cap is not None or query.device.type != "cpu"
                 or query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16
                 or not paged_prefill_kernel.supports(query.shape[1], kv_cache.shape[3],

@@ -12,8 +12,10 @@ on, packing pays for itself and `F.linear` is as fast or faster.
 The two orders add the same products in another order, so results may differ in the last bits
 (fp32 rounding), as between any two GEMM kernels. Other devices and dtypes use `F.linear`.
 
-A weight prepacked for oneDNN (`engine.model.prepack`: bf16 on the CPU, an opaque mkldnn
-tensor) goes to `torch.ops.mkldnn._linear_pointwise`, which gives `F.linear`'s bits.
+A weight prepacked for oneDNN (`engine.model.prepack`: the engine's CPU weights, bf16 and
+float32, as opaque mkldnn tensors) goes to `torch.ops.mkldnn._linear_pointwise`: `F.linear`'s
+bits in bf16, last-bit differences in float32. The weight-first order above then serves only
+weights left plain (`PDSERVE_DISABLE_PREPACK=1`, or models built without the loader).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def linear(
 ) -> torch.Tensor:  # [n, out_features], contiguous
     """`F.linear(x, weight, bias)`; for 2..SKINNY_MAX_ROWS rows of float32 on the CPU, computed as
     `weight @ x.T` (see the module docstring)."""
-    if weight.is_mkldnn:  # prepacked bf16 weight (engine.model.prepack)
+    if weight.is_mkldnn:  # prepacked weight (engine.model.prepack)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
     n = x.shape[0]
     if not (1 < n <= SKINNY_MAX_ROWS and x.dim() == 2 and x.device.type == "cpu"

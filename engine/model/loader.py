@@ -102,7 +102,7 @@ def load_model(
     model = CausalLM(config, attn_backend, dtype=dtype)
     model.load_weights(iter_safetensors(model_path))
     model = model.to(device).eval()
-    prepack_linear_weights(model)  # bf16 on the CPU only (engine.model.prepack)
+    prepack_linear_weights(model)  # CPU weights, bf16 and float32 (engine.model.prepack)
     return model, config
 
 
