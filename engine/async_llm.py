@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core.outputs import EngineStats
+from engine.core.outputs import EngineStats, FirstToken
 from engine.core_client import AsyncMPClient, EngineCoreClient, EngineDeadError, InprocClient
 from engine.output_processor import OutputProcessor, RequestOutputCollector
 from engine.outputs import RequestOutput
@@ -85,6 +85,7 @@ class AsyncLLM:
         priority: int = 0,
         on_added: Callable[[], Awaitable[None]] | None = None,
         num_prior_outputs: int = 0,
+        await_first_token: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Streams the request's outputs; the last one has `finished=True`.
 
@@ -95,6 +96,8 @@ class AsyncLLM:
         that many tokens are earlier outputs of this (single) sample, which the engine continues
         (EngineCoreRequest.num_prior_outputs); outputs carry only the new tokens. A prompt
         dict's `cache_salt` keeps its KV apart from other salts' (EngineCoreRequest.cache_salt).
+        `await_first_token`: an early hand-off (EngineCoreRequest.await_first_token); nothing
+        is computed before `add_first_token` gives the prefill's first token.
         """
         if self._dead is not None:
             raise self._dead
@@ -102,7 +105,8 @@ class AsyncLLM:
         text, token_ids = self.processor.preprocess(prompt)
         requests = self.processor.make_requests(request_id, token_ids, params, priority=priority,
                                                 num_prior_outputs=num_prior_outputs,
-                                                cache_salt=prompt_cache_salt(prompt))
+                                                cache_salt=prompt_cache_salt(prompt),
+                                                await_first_token=await_first_token)
         collector = RequestOutputCollector(params.output_kind)
         self.output_processor.add_request(request_id, text, requests, params, collector)
         self._ensure_output_handler()
@@ -124,6 +128,14 @@ class AsyncLLM:
             if not finished:
                 self._abort_in_background(request_id)
             raise
+
+    async def add_first_token(self, request_id: str, token_id: int,
+                              kv_transfer_params: dict[str, Any] | None = None) -> None:
+        """The prefill's first token of a request generated with await_first_token, and the
+        producer's kv_transfer_params; ignored for one that is not waiting for it."""
+        if self._dead is not None:
+            raise self._dead
+        await self.engine_core.add_first_token_async(FirstToken(request_id, token_id, kv_transfer_params))
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Ends requests; their consumers get a last output with finish_reason "abort"."""

@@ -73,6 +73,14 @@ class EngineConfig:
     kv_store_control_timeout_s: float = 1.0
     kv_save_wait_s: float = 5.0
     kv_load_wait_s: float = 0.5
+    # A request that awaits its prefill's first token (an early hand-off) loads the prompt's KV
+    # as its producer saves it: objects not in the store yet are asked for again every
+    # kv_await_poll_s (longer while none come), for at most kv_await_s in all (then what is
+    # missing is recomputed); the first token makes it ask at once for the last ones. Seldom
+    # asking keeps the polls' CPU off the prefill that shares the host (every poll is a store
+    # round trip); what a prefill saved since the last poll is loaded after its token came.
+    kv_await_s: float = 60.0
+    kv_await_poll_s: float = 0.05
     # "async": the request waits in WAITING_FOR_REMOTE_KVS while its KV loads, others run (it
     # joins the step after the one its load finished in);
     # "layerwise": loaded inside the step that computes the rest, each layer waited for in turn
@@ -133,6 +141,9 @@ class EngineConfig:
                f"must be positive, got {self.kv_store_timeout_s}")
         _check(self.kv_save_wait_s > 0, "kv_save_wait_s", f"must be positive, got {self.kv_save_wait_s}")
         _check(self.kv_load_wait_s > 0, "kv_load_wait_s", f"must be positive, got {self.kv_load_wait_s}")
+        _check(self.kv_await_s > 0, "kv_await_s", f"must be positive, got {self.kv_await_s}")
+        _check(0 < self.kv_await_poll_s <= 1, "kv_await_poll_s",
+               f"must be in (0, 1], got {self.kv_await_poll_s}")
         _check(self.kv_store_control_timeout_s > 0, "kv_store_control_timeout_s",
                f"must be positive, got {self.kv_store_control_timeout_s}")
         _check(self.attention_backend in _BACKENDS, "attention_backend",

@@ -31,13 +31,14 @@ import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats
+from engine.core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats, FirstToken
 from engine.core_proc import run_engine_core
 from engine.engine_core import EngineCore
 from engine.serial import (
     ABORT,
     ADD,
     FAILED,
+    FIRST_TOKEN,
     GET_STATS,
     HEARTBEAT,
     OUTPUTS,
@@ -81,6 +82,10 @@ class EngineCoreClient(ABC):
     def abort_requests(self, request_ids: Iterable[str]) -> None: ...
 
     @abstractmethod
+    def add_first_token(self, first: FirstToken) -> None:
+        """The prefill's first token of a request added with await_first_token."""
+
+    @abstractmethod
     def get_output(self) -> EngineCoreOutputs:
         """The next step's outputs (blocks until there are some, or steps once in-process)."""
 
@@ -102,6 +107,9 @@ class EngineCoreClient(ABC):
 
     async def abort_requests_async(self, request_ids: Iterable[str]) -> None:
         raise NotImplementedError
+
+    async def add_first_token_async(self, first: FirstToken) -> None:
+        self.add_first_token(first)  # a send: never blocks (in process: overridden)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         raise NotImplementedError
@@ -146,6 +154,15 @@ class InprocClient(EngineCoreClient):
 
     async def abort_requests_async(self, request_ids: Iterable[str]) -> None:
         await asyncio.to_thread(self.abort_requests, list(request_ids))
+
+    async def add_first_token_async(self, first: FirstToken) -> None:
+        await asyncio.to_thread(self.add_first_token, first)
+
+    def add_first_token(self, first: FirstToken) -> None:
+        with self._lock:
+            self.engine_core.add_first_token(first)
+        if self._has_work is not None:
+            self._has_work.set()
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """Waits until the core has requests, then runs one step off the event loop."""
@@ -215,6 +232,9 @@ class MPClient(EngineCoreClient):
         ids = list(request_ids)
         if ids and self._dead is None and not self._closed:  # a dead core holds nothing
             self._send(ABORT, ids)
+
+    def add_first_token(self, first: FirstToken) -> None:
+        self._send(FIRST_TOKEN, first)
 
     def get_output(self) -> EngineCoreOutputs:
         return self._take(self._outputs, self._outputs.get())

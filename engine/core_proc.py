@@ -29,6 +29,7 @@ from engine.serial import (
     ABORT,
     ADD,
     FAILED,
+    FIRST_TOKEN,
     GET_STATS,
     HEARTBEAT,
     HEARTBEAT_S,
@@ -43,6 +44,8 @@ from engine.serial import (
 )
 
 logger = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.01  # the most a core with only KV loads in flight waits before stepping again
+_WAKE = b"wake"  # internal: from the core's own threads, never from the socket (a no-op)
 
 
 
@@ -91,6 +94,8 @@ class EngineCoreProc:
         self._outputs: queue.Queue[tuple[bytes, Any] | None] = queue.Queue()
         self._stop = threading.Event()
         self._step_started: float | None = None  # monotonic time the step under way began
+        # a KV load that finishes wakes a loop waiting for input (it steps again at once)
+        core.set_wakeup(lambda: self._inputs.put((_WAKE, None)))
 
     def run(self) -> None:
         reader = threading.Thread(target=self._read_inputs, name="core-input", daemon=True)
@@ -113,20 +118,28 @@ class EngineCoreProc:
             self.core.shutdown()
 
     def _loop(self) -> None:
+        idle = False
         while True:
-            if not self._handle_inputs(block=not self.core.has_unfinished_requests()):
+            # Nothing to run: wait for a message; only loads in flight (or grammars compiling):
+            # wait for one at most IDLE_WAIT_S, then step again to see what finished.
+            timeout = IDLE_WAIT_S if idle else None
+            if not self._handle_inputs(block=idle or not self.core.has_unfinished_requests(),
+                                       timeout=timeout):
                 return
+            idle = False
             if self.core.has_unfinished_requests():
                 self._step_started = time.monotonic()
-                outputs = self.core.step()
+                outputs = self.core.step(idle_sleep_s=0.0)
                 self._step_started = None
+                idle = self.core.last_step_idle
                 if outputs.outputs:
                     self._outputs.put((OUTPUTS, outputs))
 
-    def _handle_inputs(self, block: bool) -> bool:
-        """Applies every queued message (waiting for one when idle); False on SHUTDOWN."""
+    def _handle_inputs(self, block: bool, timeout: float | None = None) -> bool:
+        """Applies every queued message (waiting for one when `block`, at most `timeout`
+        seconds when given); False on SHUTDOWN."""
         try:
-            message = self._inputs.get(block=block)
+            message = self._inputs.get(block=block, timeout=timeout if block else None)
         except queue.Empty:
             return True
         while True:
@@ -148,6 +161,8 @@ class EngineCoreProc:
                 self._outputs.put((OUTPUTS, EngineCoreOutputs([rejected])))
         elif kind == ABORT:
             self.core.abort_requests(payload)
+        elif kind == FIRST_TOKEN:
+            self.core.add_first_token(payload)
         elif kind == GET_STATS:
             self._outputs.put((STATS, self.core.get_stats()))
         elif kind == SHUTDOWN:

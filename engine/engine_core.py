@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -25,6 +25,7 @@ from engine.core.outputs import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineStats,
+    FirstToken,
     Histogram,
 )
 from engine.core.request import Request, RequestStatus
@@ -43,6 +44,7 @@ class EngineCore:
     """One model, one KV cache, one scheduler. Not thread-safe: one caller steps it."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self.last_step_idle = False
         from engine.attention.selector import backend_for_device
         from engine.model.loader import (
             load_model,
@@ -118,11 +120,33 @@ class EngineCore:
             core_request.grammar = self.structured.start(request.sampling_params.structured_outputs)
         self.scheduler.add_request(core_request)
 
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        """`wakeup()` is called (from another thread) when a KV load finishes, so a loop that
+        waits for input between idle steps steps again at once."""
+        connector = self.runner.connector
+        if connector is not None:
+            connector.set_wakeup(wakeup)
+
+    def add_first_token(self, first: FirstToken) -> None:
+        """The prefill's first token of a request added with await_first_token (the edge
+        checked it); ignored for a request that is not waiting for one (ended, aborted)."""
+        if not 0 <= first.token_id < self.vocab_size:
+            logger.warning("first token %d of %s is out of range; ignored", first.token_id,
+                           first.request_id)
+            return
+        if not self.scheduler.add_first_token(first.request_id, first.token_id,
+                                              first.kv_transfer_params):
+            logger.info("first token for %s, which awaits none (ended?): ignored", first.request_id)
+
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """Ends the requests and frees their blocks; emits no output for them."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
-    def step(self) -> EngineCoreOutputs:
+    def step(self, idle_sleep_s: float = 0.001) -> EngineCoreOutputs:
+        """One step. A step that scheduled nothing and gave nothing (only KV loads in flight or
+        grammars compiling) sleeps `idle_sleep_s` so a caller's loop does not spin, and sets
+        `last_step_idle` (a caller that can wait for input instead passes 0)."""
+        self.last_step_idle = False
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
         start = time.perf_counter()
@@ -136,8 +160,10 @@ class EngineCore:
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if scheduler_output.num_scheduled_tokens:
             self.step_seconds.observe(time.perf_counter() - start)
-        elif not outputs.outputs:
-            time.sleep(0.001)  # only KV loads in flight or grammars compiling: do not spin
+        elif not outputs.outputs and not _finished_loads(runner_output):
+            self.last_step_idle = True  # (a load that finished lets its request run next step)
+            if idle_sleep_s > 0:
+                time.sleep(idle_sleep_s)  # only KV loads in flight or grammars compiling: no spin
         return outputs
 
     def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
@@ -244,6 +270,8 @@ class EngineCore:
             raise ValueError(f"num_prior_outputs must be in [0, {n}) (at least one prompt token), "
                              f"got {request.num_prior_outputs}")
         request.sampling_params.check_vocab(self.vocab_size)
+        if request.await_first_token:
+            _check_awaits_first_token(request)
         if request.sampling_params.n != 1:
             raise ValueError("sampling_params.n must be 1 in the engine core; the front end "
                              "fans out n > 1")
@@ -329,6 +357,24 @@ def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int,
             f"the KV cache ({num_blocks - 1} usable blocks of {config.block_size} tokens) cannot "
             f"hold one request of max_model_len={config.model_len} ({needed} blocks{pages}): "
             f"raise kv_cache_gib / num_kv_blocks or lower max_model_len")
+
+
+def _finished_loads(runner_output: Any) -> bool:
+    kv = runner_output.kv_connector_output
+    return kv is not None and bool(kv.finished_recving)
+
+
+def _check_awaits_first_token(request: EngineCoreRequest) -> None:
+    """An early hand-off names its producer and continues one sample from its first output."""
+    params = request.sampling_params.kv_transfer_params or {}
+    if not params.get("do_remote_prefill"):
+        raise ValueError("await_first_token needs kv_transfer_params with do_remote_prefill (the "
+                         "producer whose first token it awaits)")
+    if request.num_prior_outputs:
+        raise ValueError("await_first_token: num_prior_outputs must be 0 (the first token comes later)")
+    if request.sampling_params.structured_outputs is not None:
+        raise ValueError("await_first_token: not with structured_outputs (send the decode after "
+                         "the prefill)")
 
 
 def _eos_token_id(hf_config: object) -> int | None:

@@ -74,6 +74,7 @@ class Processor:
         priority: int = 0,
         num_prior_outputs: int = 0,
         cache_salt: str | None = None,
+        await_first_token: bool = False,
     ) -> list[EngineCoreRequest]:
         """Fans `params.n` out into core requests; max_tokens=None becomes the room left.
         `num_prior_outputs`: the last that many token ids are earlier outputs of the sample
@@ -89,8 +90,11 @@ class Processor:
         if not 0 <= num_prior_outputs < len(prompt_token_ids):
             raise ValueError(f"num_output_tokens must be in [0, {len(prompt_token_ids)}) (at least "
                              f"one prompt token), got {num_prior_outputs}")
-        if num_prior_outputs and params.n != 1:
+        if (num_prior_outputs or await_first_token) and params.n != 1:
             raise ValueError("n must be 1 when continuing a sample's earlier outputs")
+        if await_first_token and params.structured_outputs is not None:
+            raise ValueError("structured_outputs: not with await_first_token (send the decode "
+                             "after the prefill)")
         if params.max_tokens is None:
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids)
                              + num_prior_outputs)
@@ -101,7 +105,7 @@ class Processor:
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
             return [self._request(request_id, prompt_token_ids, params, arrival, priority,
-                                  num_prior_outputs, cache_salt)]
+                                  num_prior_outputs, cache_salt, await_first_token)]
         return [
             self._request(child_request_id(request_id, i), prompt_token_ids,
                           params.for_child(i), arrival, priority, cache_salt=cache_salt)
@@ -110,7 +114,7 @@ class Processor:
 
     def _request(self, request_id: str, token_ids: list[int], params: SamplingParams,
                  arrival_time: float, priority: int, num_prior_outputs: int = 0,
-                 cache_salt: str | None = None) -> EngineCoreRequest:
+                 cache_salt: str | None = None, await_first_token: bool = False) -> EngineCoreRequest:
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=list(token_ids),
@@ -120,6 +124,7 @@ class Processor:
             priority=priority,
             num_prior_outputs=num_prior_outputs,
             cache_salt=cache_salt,
+            await_first_token=await_first_token,
         )
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -3,8 +3,9 @@
 A message is two ZMQ frames: its kind (bytes) and its msgpack payload. Each kind has one type;
 decoding checks the payload against it.
 
-front end -> core: ADD (EngineCoreRequest), ABORT (list of request ids), GET_STATS (None),
-SHUTDOWN (None).
+front end -> core: ADD (EngineCoreRequest), ABORT (list of request ids), FIRST_TOKEN
+(FirstToken: the prefill's first token of a request added with await_first_token), GET_STATS
+(None), SHUTDOWN (None).
 core -> front end: READY (ReadyInfo, once the model is loaded), FAILED (CoreFailure, start-up
 failed), OUTPUTS (EngineCoreOutputs), STATS (EngineStats, the answer to GET_STATS), HEARTBEAT
 (float: seconds the step under way has run, 0 between steps; sent every HEARTBEAT_S by a thread
@@ -19,10 +20,11 @@ from typing import Any
 
 import msgspec
 
-from engine.core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats
+from engine.core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats, FirstToken
 
 ADD = b"add"
 ABORT = b"abort"
+FIRST_TOKEN = b"first_token"
 GET_STATS = b"get_stats"
 SHUTDOWN = b"shutdown"
 READY = b"ready"
@@ -55,6 +57,7 @@ class CoreFailure:
 _PAYLOAD_TYPES: dict[bytes, Any] = {
     ADD: EngineCoreRequest,
     ABORT: list[str],
+    FIRST_TOKEN: FirstToken,
     GET_STATS: None,
     SHUTDOWN: None,
     READY: ReadyInfo,

@@ -8,6 +8,8 @@ Scheduler half (inside the scheduler; no tensors, no torch):
 - `build_connector_meta(scheduler_output)` -> what the worker half does this step.
 - `request_finished(request, block_ids)` -> (delay freeing the blocks?, kv_transfer_params).
 - `update_connector_output(output)` with what the worker half finished.
+- optionally `on_first_token(request, kv_transfer_params)` (an early hand-off's first token came)
+  and `cancel_load(req_id)` (an aborted request's load should stop waiting).
 
 Worker half (around the forward pass): `register_kv_caches`, `bind_connector_metadata`,
 `start_load_kv`, `wait_for_layer_load(layer)`, `save_kv_layer(layer, kv_cache)`,
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +71,15 @@ class KVConnectorScheduler(abc.ABC):
     def update_connector_output(self, output: KVConnectorOutput) -> None:  # noqa: B027
         """Optional: bookkeeping on what the worker half finished."""
 
+    def on_first_token(self, request: Request,  # noqa: B027
+                       kv_transfer_params: dict[str, Any] | None) -> None:
+        """Optional: a request that awaited its prefill's first token got it, and the
+        producer's kv_transfer_params (already checked against the request's tokens)."""
+
+    def cancel_load(self, req_id: str) -> None:  # noqa: B027
+        """Optional: the request, whose asynchronous load is under way, was aborted: a load
+        that waits for objects still to come stops (it reports finished as usual)."""
+
     def shutdown(self) -> None:  # noqa: B027
         """Optional: stop background threads."""
 
@@ -99,6 +111,9 @@ class KVConnectorWorker(abc.ABC):
 
     @abc.abstractmethod
     def clear_connector_metadata(self) -> None: ...
+
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:  # noqa: B027
+        """Optional: call `wakeup()` when an asynchronous load finishes."""
 
     def get_transfer_stats(self) -> KVTransferStats | None:
         """Optional: a snapshot of the KV moved so far (safe to call while transfers run)."""

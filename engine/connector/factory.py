@@ -19,7 +19,8 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int
     options = StoreConnectorOptions(config.kv_role, num_layers, config.kv_lease_s, config.kv_store_url,
                                     config.kv_load_mode, config.kv_layerwise_max_tokens,
                                     lease_wait_s=config.kv_store_control_timeout_s,
-                                    block_size=config.block_size)
+                                    block_size=config.block_size, await_s=config.kv_await_s,
+                                    await_poll_s=config.kv_await_poll_s)
     # its calls run beside the engine's loop, which waits on none of them long: short ones
     sched = KVStoreConnectorScheduler(client(config.kv_store_control_timeout_s), key_scheme(config), options)
     worker = KVStoreConnectorWorker(client, config.kv_chunk_size, config.kv_stream_layers,

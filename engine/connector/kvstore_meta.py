@@ -19,6 +19,10 @@ class LoadSpec:
     # the window of the first token computed here); empty: `start` for every group
     group_starts: list[int] = field(default_factory=list)
     layerwise: bool = False  # loaded inside the step that computes the rest (forward waits per layer)
+    # > 0: the producer is still saving (an early hand-off): objects not in the store yet are
+    # asked for again every await_poll_s, for at most await_s
+    await_s: float = 0.0
+    await_poll_s: float = 0.05
 
 
 @dataclass
@@ -36,3 +40,5 @@ class SaveSpec:
 class KVStoreConnectorMetadata:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # requests whose awaiting loads stop
+    hurries: list[str] = field(default_factory=list)  # awaiting loads whose producer is done

@@ -49,6 +49,8 @@ class StoreConnectorOptions:
     lookup_wait_s: float = 0.05  # the longest a step waits for a lookup before asking again later
     lease_wait_s: float = 1.0  # the longest a step waits for a lease (the control calls' timeout)
     block_size: int = 16  # the engine's (a load skips the null blocks a sliding window leaves)
+    await_s: float = 60.0  # an early hand-off's load waits this long for its producer's objects
+    await_poll_s: float = 0.05  # ... asking again for the missing ones this often
 
 
 @dataclass
@@ -66,6 +68,7 @@ class _Tracked:
     pending_load: LoadSpec | None = None  # matched, waiting for its blocks
     loading: LoadSpec | None = None  # handed to the worker half
     released: bool = False  # the transfer was acknowledged to its producer
+    loaded: bool = False  # a load of it finished
     no_save_this_step: bool = False  # a layer-wise load: this step's KV rests on it
 
 
@@ -80,6 +83,8 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         self._calls = calls or ThreadPoolExecutor(1, thread_name_prefix="kv-control")
         self._tracked: dict[str, _Tracked] = {}
         self._loads_to_start: list[LoadSpec] = []
+        self._cancels: list[str] = []
+        self._hurries: list[str] = []
 
     @property
     def saves(self) -> bool:
@@ -111,13 +116,19 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         tracked = self._track_request(request)
         if not self.loads:
             return 0, False
-        limit = request.num_tokens - 1  # the last token is always computed here (logits)
+        # The last token is always computed here (logits); one that awaits its first token
+        # computes that token: every prompt token may load.
+        awaiting = request.awaiting_first_token
+        limit = request.num_tokens if awaiting else request.num_tokens - 1
         if tracked.transfer.get("do_remote_prefill"):
             # The producer's prompt is the first num_tokens of ours: its keys are ours for them.
             n = min(int(tracked.transfer.get("num_tokens", 0)), len(tracked.prompt_ids))
             keys = self.scheme.chunk_keys(tracked.prompt_ids[:n], tracked.salt)
             digests = self.scheme.token_digests(tracked.prompt_ids[:n], tracked.salt)
-            available = min(n, len(tracked.transfer.get("keys", [])) * self.chunk_size)
+            # the producer names its keys once it is done; before that it saves them all
+            available = n if awaiting else min(n, len(tracked.transfer.get("keys", [])) * self.chunk_size)
+        elif awaiting:
+            return 0, False  # an early hand-off names its producer (the edge checks it)
         else:
             found = self._found(tracked)
             if found is None:
@@ -127,10 +138,26 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         end = min(available, limit)
         if end <= num_computed_tokens:
             return 0, False
-        layerwise = self._layerwise(end - num_computed_tokens)
+        layerwise = not awaiting and self._layerwise(end - num_computed_tokens)
         tracked.pending_load = LoadSpec(request.request_id, keys, num_computed_tokens, end,
-                                        token_digests=digests, layerwise=layerwise)
+                                        token_digests=digests, layerwise=layerwise,
+                                        await_s=self.options.await_s if awaiting else 0.0,
+                                        await_poll_s=self.options.await_poll_s)
         return end - num_computed_tokens, not layerwise
+
+    def on_first_token(self, request: Request, kv_transfer_params: dict[str, Any] | None) -> None:
+        """The producer's keys arrive with the first token: its lease is released once the
+        load is done (now, when it is)."""
+        tracked = self._track_request(request)
+        tracked.transfer.update(kv_transfer_params or {})
+        tracked.transfer["do_remote_prefill"] = True
+        if tracked.loaded and tracked.loading is None:
+            self._release(tracked)
+        elif tracked.loading is not None:  # the producer is done: its last objects are in
+            self._hurries.append(request.request_id)
+
+    def cancel_load(self, req_id: str) -> None:
+        self._cancels.append(req_id)
 
     def _found(self, tracked: _Tracked) -> int | None:
         """Chunks of the prompt the store holds (one lookup per request, in the background); None
@@ -179,6 +206,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
             if tracked is None or tracked.loading is None:
                 continue
             spec, tracked.loading = tracked.loading, None
+            tracked.loaded = True
             if req_id in output.load_errors:
                 # A failed layer-wise step saved nothing; save again from the valid chunks.
                 valid = output.valid_loaded_tokens.get(req_id, spec.start)
@@ -191,6 +219,8 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         """The consumer's acknowledgement of a transfer: the producer's lease on it ends (sent in
         the background; the lease expires on its own if it is lost)."""
         if not tracked.transfer.get("do_remote_prefill") or tracked.released:
+            return
+        if not tracked.transfer.get("keys"):  # an early hand-off's producer has not named them yet
             return
         tracked.released = True
         keys = self.layer_keys([str(k) for k in tracked.transfer.get("keys", [])])
@@ -208,8 +238,9 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
 
     # --- saves ----------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(loads=self._loads_to_start)
-        self._loads_to_start = []
+        meta = KVStoreConnectorMetadata(loads=self._loads_to_start, cancels=self._cancels,
+                                        hurries=self._hurries)
+        self._loads_to_start, self._cancels, self._hurries = [], [], []
         if not self.saves:
             return meta
         before: dict[str, int] = {}

@@ -11,6 +11,9 @@ Loads: a background loader fetches a request's chunks layer by layer and writes 
 request's blocks, either while other requests keep running (async: the request waits in
 WAITING_FOR_REMOTE_KVS) or inside the step that computes the request, whose forward waits for
 each layer in turn (layer-wise); the scheduler half picks per load (EngineConfig.kv_load_mode).
+An early hand-off's load (LoadSpec.await_s, a decode dispatched beside its prefill) runs while
+the producer is still saving: it takes each object as it appears, asking again for the missing
+ones every await_poll_s, until all are in, await_s passes, or the request is aborted.
 A missing, short or mismatched object truncates what counts as loaded to the tokens before it,
 which the scheduler then recomputes (or fails, by policy).
 Integrity (kvstore/integrity.py): the sender puts every object with its checksum (keyed BLAKE3
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 
 from engine.connector.base import KVConnectorOutput, KVConnectorWorker
+from engine.connector.kv_await import AwaitingLoads, LoadState
 from engine.connector.kvstore_meta import KVStoreConnectorMetadata, LoadSpec
 from engine.core.outputs import KVTransferStats
 from kvstore import integrity
@@ -84,14 +88,6 @@ def _scatter_slots(kv_cache: torch.Tensor, block_ids: list[int], start: int,
     blocks, offs = _slots(block_ids, start, start + n, kv_cache.shape[2])
     shaped = data.reshape(n, 2, kv_cache.shape[3], kv_cache.shape[4])
     kv_cache[blocks.to(kv_cache.device), :, offs.to(kv_cache.device)] = shaped.to(kv_cache.device)
-
-
-@dataclass
-class _LoadState:
-    valid: int  # tokens from the start still valid (lowered by a bad object)
-    error: str | None = None
-    nbytes: int = 0  # KV payload received
-    abandoned: bool = False  # a layer-wise load the step stopped waiting for
 
 
 _Item = tuple[str, bytes, Any, bytes]  # key, metadata, payload, token digest (a KV object to put)
@@ -159,8 +155,10 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._layer_loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
         self._layer_client = make_client()
         self._loads: dict[str, tuple[LoadSpec, Future[tuple[int, str | None]]]] = {}
+        self._awaiter = AwaitingLoads(make_client(), self._apply, self._record_load, self._store_failed)
+        self._wakeup: Callable[[], None] = _nothing
         self._layer_events: list[threading.Event] = []
-        self._layerwise: list[tuple[LoadSpec, _LoadState]] = []
+        self._layerwise: list[tuple[LoadSpec, LoadState]] = []
 
     def register_kv_caches(self, kv_caches: list[Any], layer_group: list[int] | None = None) -> None:
         self.kv_caches = list(kv_caches)
@@ -244,11 +242,26 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             self.timings.save_waits.append(time.perf_counter() - start)
 
     # --- loads ----------------------------------------------------------------------------
+    def set_wakeup(self, wakeup: Callable[[], None]) -> None:
+        self._wakeup = wakeup
+
+    def _loaded(self, future: Future[Any]) -> None:
+        self._wakeup()
+
     def start_load_kv(self) -> None:
+        for req_id in self._meta.cancels:
+            self._awaiter.cancel(req_id)
+        for req_id in self._meta.hurries:
+            self._awaiter.hurry(req_id)
         layerwise = [spec for spec in self._meta.loads if spec.layerwise]
         for spec in self._meta.loads:
-            if not spec.layerwise:
+            if spec.await_s > 0:
+                self._loads[spec.req_id] = (spec, self._awaiter.add(spec, self._chunks, len(self.kv_caches)))
+            elif not spec.layerwise:
                 self._loads[spec.req_id] = (spec, self._loader.submit(self._load, spec))
+            else:
+                continue
+            self._loads[spec.req_id][1].add_done_callback(self._loaded)
         if layerwise:
             self._start_layerwise(layerwise)
 
@@ -274,7 +287,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         """Loads every layer (one store call for all objects where the store shares memory
         with this process); returns (tokens valid from the start, first error or None)."""
         start = time.perf_counter()
-        state = _LoadState(spec.end)
+        state = LoadState(spec.end)
         plan = [(layer, c) for layer in range(len(self.kv_caches)) for c in self._chunks(spec, layer)]
         keys = [f"{spec.chunk_keys[c]}@{layer}" for layer, c in plan]
         try:
@@ -299,7 +312,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         cs = self.chunk_size
         return list(range(self._group_start(spec, layer) // cs, (spec.end - 1) // cs + 1))
 
-    def _apply(self, spec: LoadSpec, layer: int, c: int, obj: Any, state: _LoadState) -> None:
+    def _apply(self, spec: LoadSpec, layer: int, c: int, obj: Any, state: LoadState) -> None:
         """Writes chunk `c` of `layer` from its object; a missing or mismatched object lowers
         `state.valid` to the tokens before it."""
         from kvstore.lmcache_format import RemoteMetadata, buffer_to_tensor
@@ -351,6 +364,9 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             self._stats.integrity_failures += 1
         return f"failed its integrity check ({why})"
 
+    def _store_failed(self) -> None:
+        self._store_failed_at = time.monotonic()
+
     # --- layer-wise loads: inside the step, the forward waits for each layer it needs ----------
     def _store_down(self) -> bool:
         """Whether the store failed a call (or a step's wait) within breaker_s."""
@@ -373,7 +389,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
     def _start_layerwise(self, specs: list[LoadSpec]) -> None:
         events = [threading.Event() for _ in self.kv_caches]
-        states = {spec.req_id: _LoadState(spec.end) for spec in specs}
+        states = {spec.req_id: LoadState(spec.end) for spec in specs}
         self._layer_events = events
         self._layerwise = [(spec, states[spec.req_id]) for spec in specs]
         start = time.perf_counter()
@@ -443,7 +459,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         return out
 
     # --- stats ----------------------------------------------------------------------------
-    def _record_load(self, spec: LoadSpec, state: _LoadState, seconds: float) -> None:
+    def _record_load(self, spec: LoadSpec, state: LoadState, seconds: float) -> None:
         self.timings.record_load(spec.req_id, seconds)
         failed = state.error is not None or state.valid < spec.end
         with self._stats_lock:
@@ -473,3 +489,8 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._sender.join(timeout=10)
         self._loader.shutdown(wait=True)
         self._layer_loader.shutdown(wait=True)
+        self._awaiter.shutdown()
+
+
+def _nothing() -> None:
+    pass

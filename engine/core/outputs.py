@@ -46,6 +46,21 @@ class EngineCoreRequest:
     # Tenant isolation (vLLM's cache_salt): requests share prefix-cache blocks and KV-store
     # chunks only with requests of the same salt. None = unsalted.
     cache_salt: str | None = None
+    # Early hand-off (a decode dispatched beside its prefill): prompt_token_ids are the prompt
+    # only; the core allocates its blocks and loads the prompt's KV (do_remote_prefill) as the
+    # producer saves it, and computes nothing until `EngineCore.add_first_token` gives it the
+    # prefill's sampled first token (then a prior output, as with num_prior_outputs=1).
+    await_first_token: bool = False
+
+
+@dataclass
+class FirstToken:
+    """The prefill's first token for a request added with await_first_token, and the
+    producer's kv_transfer_params (its keys, so the consumer can release its lease)."""
+
+    request_id: str
+    token_id: int
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -56,6 +56,7 @@ class Request:
         priority: int = 0,
         num_prior_outputs: int = 0,
         cache_salt: str | None = None,
+        await_first_token: bool = False,
     ) -> None:
         """`num_prior_outputs`: how many of the given token ids (at the end) are earlier outputs
         of this sample, continued here (EngineCoreRequest.num_prior_outputs). `cache_salt`
@@ -79,12 +80,14 @@ class Request:
         self.kv_transfer_params: dict[str, Any] | None = None  # set by a connector at the end
         self.prompt_logprobs: list[LogprobsEntry] = []  # prompt positions 1.. so far (if asked)
         self.grammar: GrammarState | None = None  # with structured_outputs (set by the engine core)
+        # Dispatched beside its prefill: never computed here before `add_first_token`.
+        self.awaiting_first_token = await_first_token
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
         return cls(req.request_id, req.prompt_token_ids, req.sampling_params,
                    req.eos_token_id, req.arrival_time, req.priority, req.num_prior_outputs,
-                   req.cache_salt)
+                   req.cache_salt, req.await_first_token)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,6 +114,13 @@ class Request:
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+
+    def add_first_token(self, token_id: int) -> None:
+        """The prefill's first token of a request that awaited it: a prior output from now."""
+        assert self.awaiting_first_token and not self.output_token_ids
+        self.awaiting_first_token = False
+        self.num_prior_outputs = 1
+        self.append_output_token_ids([token_id])
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

@@ -77,12 +77,14 @@ class Scheduler(KVLoads, GrammarWaits):
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            elif self._drop_fsm_wait(request):
+            elif self._drop_fsm_wait(request) or self._end_awaiting(request):
                 pass
             elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 del self.waiting_for_kv[req_id]
                 request.status = status
                 self._aborted_loading[req_id] = request  # blocks freed once the load stops
+                if self.connector is not None:
+                    self.connector.cancel_load(req_id)  # a load that waits for its producer stops
                 ended.append(request)
                 continue
             else:
@@ -254,6 +256,8 @@ class Scheduler(KVLoads, GrammarWaits):
             if num_external > 0:
                 return self._start_loading(request, hits, num_hit_tokens, num_external, load_async,
                                            step)
+        if request.awaiting_first_token:  # nothing to load: nothing to compute before the token
+            return self._park(request)
         return self._start_computing(request, hits, num_hit_tokens, step)
 
     def _start_computing(self, request: Request, hits: list[list[KVCacheBlock]], num_hit_tokens: int,

@@ -5,8 +5,10 @@ Its tables, by request id: `waiting_for_kv` (an asynchronous load under way; the
 its blocks), `_aborted_loading` (aborted while loading: blocks freed once the load stops),
 `_kv_loaded` (loaded, waiting to run), `_loading_in_step` (a layer-wise load inside this step),
 `_load_end` (where an asynchronous load ends), `_rollback` (this step ran over KV that failed to
-load: discard it), `_no_external` (recompute without the connector), and `_failed_outputs`
-(final outputs of requests failed here, sent with the step's).
+load: discard it), `_no_external` (recompute without the connector), `_failed_outputs`
+(final outputs of requests failed here, sent with the step's), and `_awaiting_token` (requests
+dispatched beside their prefill, parked until its first token comes: out of the queue with no
+load to start, or loaded, with their load's outcome in `_loaded_awaiting`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.core.block_pool import KVCacheBlock
 from engine.core.kv_cache_manager import KVCacheManager
@@ -62,6 +64,8 @@ class KVLoads:
         self._rollback: set[str] = set()
         self._no_external: set[str] = set()
         self._load_end: dict[str, int] = {}
+        self._awaiting_token: dict[str, Request] = {}
+        self._loaded_awaiting: dict[str, tuple[str | None, int | None]] = {}  # (error, valid end)
 
     # The Scheduler's own (engine/core/scheduler.py)
     def _num_new_tokens(self, request: Request, budget: int, computed: int | None = None) -> int:
@@ -172,30 +176,73 @@ class KVLoads:
             request = self.waiting_for_kv.pop(req_id, None)
             if request is None:
                 continue
-            error = output.load_errors.get(req_id)
-            if error is not None and self.load_failure_policy == "fail":
-                self._fail(request, f"kv_load_failed: {error}")
+            outcome = (output.load_errors.get(req_id), output.valid_loaded_tokens.get(req_id))
+            if request.awaiting_first_token:  # loaded before its prefill ended: parked
+                self._awaiting_token[req_id] = request
+                self._loaded_awaiting[req_id] = outcome
                 continue
-            planned = min(request.num_tokens - 1, self._load_end.pop(req_id, 0))
-            loaded_end = planned
-            if req_id in output.valid_loaded_tokens:
-                loaded_end = min(loaded_end, output.valid_loaded_tokens[req_id])
-            if loaded_end < planned and self.kv.window_has_null_blocks(request.request_id,
-                                                                        loaded_end):
-                # A windowed load cut short: the tokens to compute now would see positions in
-                # the blocks the window let it skip (never allocated): start again, locally.
-                self.kv.free(request)
-                request.num_computed_tokens = 0
-                self._no_external.add(req_id)
-                request.status = RequestStatus.WAITING
-                self.waiting.prepend(request)
-                continue
-            request.num_computed_tokens = max(request.num_computed_tokens, loaded_end)
-            request.times.num_cached_tokens = request.num_computed_tokens
-            self.kv.cache_blocks(request, request.num_computed_tokens)
+            self._finish_load(request, *outcome)
+
+    def _finish_load(self, request: Request, error: str | None, valid: int | None) -> None:
+        """An asynchronous load ended (`valid`: where its valid KV ends, when short): the
+        request goes to the queue's head with its blocks, to compute the rest (or fails)."""
+        req_id = request.request_id
+        if error is not None and self.load_failure_policy == "fail":
+            self._load_end.pop(req_id, None)
+            self._fail(request, f"kv_load_failed: {error}")
+            return
+        planned = min(request.num_tokens - 1, self._load_end.pop(req_id, 0))
+        loaded_end = planned if valid is None else min(planned, valid)
+        if loaded_end < planned and self.kv.window_has_null_blocks(request.request_id, loaded_end):
+            # A windowed load cut short: the tokens to compute now would see positions in
+            # the blocks the window let it skip (never allocated): start again, locally.
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            self._no_external.add(req_id)
             request.status = RequestStatus.WAITING
-            self._kv_loaded.add(req_id)
             self.waiting.prepend(request)
+            return
+        request.num_computed_tokens = max(request.num_computed_tokens, loaded_end)
+        request.times.num_cached_tokens = request.num_computed_tokens
+        self.kv.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.WAITING
+        self._kv_loaded.add(req_id)
+        self.waiting.prepend(request)
+
+    # --- early hand-off: a request that awaits its prefill's first token ------------------
+    def _park(self, request: Request) -> int:
+        """The queue's head awaits its first token and has no load to start (none offered,
+        or one already done): out of the queue until the token comes."""
+        self.waiting.pop()
+        self._awaiting_token[request.request_id] = request
+        return 0
+
+    def add_first_token(self, req_id: str, token_id: int,
+                        kv_transfer_params: dict[str, Any] | None) -> bool:
+        """The prefill's first token of a request added with await_first_token: it becomes a
+        prior output and the request is computed from there (at once when its KV is in).
+        False (nothing done) for a request not known here, finished, or not awaiting a token."""
+        request = self.requests.get(req_id)
+        if request is None or request.is_finished or not request.awaiting_first_token:
+            return False
+        request.add_first_token(token_id)
+        if self.connector is not None:  # the producer's keys, for the release (checked at the edge)
+            self.connector.on_first_token(request, kv_transfer_params)
+        if self._awaiting_token.pop(req_id, None) is not None:
+            outcome = self._loaded_awaiting.pop(req_id, None)
+            if outcome is None:
+                self.waiting.prepend(request)
+            else:
+                self._finish_load(request, *outcome)
+        return True
+
+    def _end_awaiting(self, request: Request) -> bool:
+        """Frees a parked request being ended (an abort); False when it is not parked."""
+        if self._awaiting_token.pop(request.request_id, None) is None:
+            return False
+        self._loaded_awaiting.pop(request.request_id, None)
+        self._load_end.pop(request.request_id, None)
+        return True
 
     def _fail(self, request: Request, reason: str) -> None:
         """Ends one request now, with `reason` as its stop reason (a KV load that failed under
