@@ -146,7 +146,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., first_logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "params", "kv_transfer", "num_output_tokens", "priority", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "params", "kv_transfer", "num_output_tokens", "priority", "cache_salt", "await_first_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class DecodeRequest(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    AWAIT_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: SamplingParams
@@ -161,7 +162,24 @@ class DecodeRequest(_message.Message):
     num_output_tokens: int
     priority: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    await_first_token: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ..., num_output_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., await_first_token: _Optional[bool] = ...) -> None: ...
+
+class FirstTokenRequest(_message.Message):
+    __slots__ = ("request_id", "first_token_id", "kv_transfer")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    first_token_id: int
+    kv_transfer: KVTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., kv_transfer: _Optional[_Union[KVTransferParams, _Mapping]] = ...) -> None: ...
+
+class FirstTokenResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class Logprob(_message.Message):
     __slots__ = ("token_id", "logprob", "rank")

@@ -49,6 +49,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.FirstToken = channel.unary_unary(
+                '/pdserve.worker.v1.Worker/FirstToken',
+                request_serializer=protos_dot_worker__pb2.FirstTokenRequest.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.FirstTokenResponse.FromString,
+                _registered_method=True)
         self.Load = channel.unary_unary(
                 '/pdserve.worker.v1.Worker/Load',
                 request_serializer=protos_dot_worker__pb2.LoadRequest.SerializeToString,
@@ -77,6 +82,12 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FirstToken(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Load(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -100,6 +111,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=protos_dot_worker__pb2.AbortRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'FirstToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.FirstToken,
+                    request_deserializer=protos_dot_worker__pb2.FirstTokenRequest.FromString,
+                    response_serializer=protos_dot_worker__pb2.FirstTokenResponse.SerializeToString,
             ),
             'Load': grpc.unary_unary_rpc_method_handler(
                     servicer.Load,
@@ -188,6 +204,33 @@ class Worker:
             '/pdserve.worker.v1.Worker/Abort',
             protos_dot_worker__pb2.AbortRequest.SerializeToString,
             protos_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FirstToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Worker/FirstToken',
+            protos_dot_worker__pb2.FirstTokenRequest.SerializeToString,
+            protos_dot_worker__pb2.FirstTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

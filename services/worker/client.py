@@ -189,6 +189,14 @@ class DecodeCall:
         finally:
             call.cancel()  # no-op once the stream ended; aborts the request when left early
 
+    async def accepted(self) -> bool:
+        """Waits until the worker's engine has the request: True, or False when the call ended
+        first (it failed: iterating `chunks()` raises why)."""
+        try:
+            return await _accepted(self._call)
+        except grpc.RpcError:
+            return False
+
     def cancel(self) -> None:
         self._call.cancel()
 
@@ -246,15 +254,33 @@ class WorkerClient:
     def start_decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,
                      timeout_s: float | None = None, announce: bool = False,
-                     num_output_tokens: int = 0, priority: int = 0, cache_salt: str = "") -> DecodeCall:
+                     num_output_tokens: int = 0, priority: int = 0, cache_salt: str = "",
+                     await_first_token: bool = False) -> DecodeCall:
         """`decode` as a call in flight: iterate `chunks()`; `cancel()` ends it from elsewhere.
         `num_output_tokens`: how many of `token_ids` (at the end) are the sample's earlier
-        outputs (DecodeRequest.num_output_tokens; `params` are the whole sample's then)."""
+        outputs (DecodeRequest.num_output_tokens; `params` are the whole sample's then).
+        `await_first_token`: an early hand-off (token_ids the prompt only); `first_token`
+        gives it the prefill's first token."""
         call = self.stub.Decode(pb.DecodeRequest(
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
             kv_transfer=kv_params_to_proto(kv_transfer_params), num_output_tokens=num_output_tokens,
-            priority=priority, cache_salt=cache_salt), timeout=timeout_s, metadata=self._metadata)
+            priority=priority, cache_salt=cache_salt, await_first_token=await_first_token),
+            timeout=timeout_s, metadata=self._metadata)
         return DecodeCall(self.target, call, announce)
+
+    async def first_token(self, request_id: str, token_id: int,
+                          kv_transfer_params: dict[str, Any] | None, timeout_s: float | None = None
+                          ) -> bool:
+        """Gives an early Decode its prefill's first token; False when no Decode of that id
+        awaits one on this worker."""
+        try:
+            reply: pb.FirstTokenResponse = await self.stub.FirstToken(pb.FirstTokenRequest(
+                request_id=request_id, first_token_id=token_id,
+                kv_transfer=kv_params_to_proto(kv_transfer_params)),
+                timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise WorkerError.from_rpc(self.target, e) from None
+        return reply.found
 
     async def decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,

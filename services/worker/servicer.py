@@ -7,7 +7,8 @@ and offers Decode; "colocated" has no connector and offers Decode, computing the
 Calls fail with UNAVAILABLE while the engine does not serve; Load always answers and says
 whether the worker serves, and why not. A Decode stream with nothing new for `heartbeat_s`
 gets an empty chunk while the engine core is alive, so a caller can tell a quiet stream from a
-stalled worker.
+stalled worker. A decode worker's Decode with await_first_token (an early hand-off, sent beside
+its Prefill) waits for FirstToken before computing anything.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -65,6 +66,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.keys = keys
         self.instance_id = instance_id()
         self._active: set[str] = set()
+        self._awaiting: dict[str, tuple[list[int], str]] = {}  # early Decodes: (prompt, cache_salt)
         self._stats: EngineStats | None = None  # the last snapshot Load got
         self._stats_task: asyncio.Future[EngineStats] | None = None
         self._stats_engine: AsyncLLM | None = None  # whose snapshots those are
@@ -132,7 +134,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             ids = token_ids_from_proto(request.token_ids)
             kv = (kv_params_from_proto(request.kv_transfer, len(ids), self.chunk_size)
                   if self.role == "decode" and request.HasField("kv_transfer") else None)
-            if kv is not None and self.keys is not None:  # KV of these tokens only
+            if request.await_first_token:
+                _check_early(self.role, kv, len(ids), request.num_output_tokens)
+            if kv is not None and self.keys is not None and kv["keys"]:  # KV of these tokens only
                 try:
                     self.keys.check_keys(kv["keys"], ids[:kv["num_tokens"]], request.cache_salt or None)
                 except ForeignKeys as e:  # a producer configured otherwise: compute the prompt here
@@ -142,22 +146,64 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         ids, params = await _parse(context, parse)
         completion_tokens = 0
+        early = request.await_first_token
         outputs = self._generate(context, request.request_id, ids, params, request.priority,
-                                 request.num_output_tokens, request.cache_salt)
-        async for out in with_heartbeats(outputs, self.heartbeat_s,
-                                         lambda: self.guard.core_alive(self.heartbeat_s)):
-            if out is None:  # nothing new for a while, the engine alive: tell the caller
-                yield pb.DecodeChunk()
-                continue
-            sample = out.outputs[0]
-            completion_tokens += len(sample.token_ids)
-            if not sample.token_ids and not out.finished:
-                continue
-            chunk = chunk_from_output(sample, out.prompt_logprobs)
-            if out.finished:
-                chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
-                                              cached_tokens=out.num_cached_tokens or 0))
-            yield chunk
+                                 request.num_output_tokens, request.cache_salt,
+                                 (ids, request.cache_salt) if early else None)
+        try:
+            async for out in with_heartbeats(outputs, self.heartbeat_s,
+                                             lambda: self.guard.core_alive(self.heartbeat_s)):
+                if out is None:  # nothing new for a while, the engine alive: tell the caller
+                    yield pb.DecodeChunk()
+                    continue
+                sample = out.outputs[0]
+                completion_tokens += len(sample.token_ids)
+                if not sample.token_ids and not out.finished:
+                    continue
+                chunk = chunk_from_output(sample, out.prompt_logprobs)
+                if out.finished:
+                    chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
+                                                  cached_tokens=out.num_cached_tokens or 0))
+                yield chunk
+        finally:
+            if early:
+                self._awaiting.pop(request.request_id, None)
+
+    async def FirstToken(self, request: pb.FirstTokenRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.FirstTokenResponse:
+        """The prefill's first token for an early Decode (found=False when none awaits it)."""
+        if self.role != "decode":
+            await _fail(context, grpc.StatusCode.UNIMPLEMENTED, f"a {self.role} worker has no early decodes")
+        engine = await self._engine(context)
+        awaiting = self._awaiting.pop(request.request_id, None)
+        if awaiting is None:
+            return pb.FirstTokenResponse(found=False)
+        ids, salt = awaiting
+
+        def parse() -> dict[str, Any] | None:
+            if not 0 <= request.first_token_id < engine.processor.vocab_size:
+                raise ValueError(f"first_token_id: {request.first_token_id} is out of range "
+                                 f"[0, {engine.processor.vocab_size})")
+            kv = (kv_params_from_proto(request.kv_transfer, len(ids), self.chunk_size)
+                  if request.HasField("kv_transfer") else None)
+            if kv is not None and self.keys is not None:
+                try:
+                    self.keys.check_keys(kv["keys"], ids[:kv["num_tokens"]], salt or None)
+                except ForeignKeys as e:  # it loaded under its own keys; the lease just expires
+                    logger.warning("first token of %s: %s", request.request_id, e)
+                    kv = None
+            return kv
+
+        try:
+            kv = parse()
+        except ValueError as e:
+            self._awaiting[request.request_id] = awaiting  # a good FirstToken may still come
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            await engine.add_first_token(request.request_id, request.first_token_id, kv)
+        except EngineDeadError as e:
+            await _fail(context, grpc.StatusCode.UNAVAILABLE, f"engine died: {e}")
+        return pb.FirstTokenResponse(found=True)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         engine = await self._engine(context)
@@ -208,11 +254,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def _generate(self, context: grpc.aio.ServicerContext, request_id: str, ids: list[int],
                         params: SamplingParams, priority: int = 0, num_prior_outputs: int = 0,
-                        cache_salt: str = "") -> AsyncIterator[RequestOutput]:
+                        cache_salt: str = "", awaiting: tuple[list[int], str] | None = None
+                        ) -> AsyncIterator[RequestOutput]:
         """The engine's outputs for one request; errors become status codes, cancel aborts. The
         call's initial metadata goes out as soon as the engine has the request, so the client
         knows it was accepted before the first token (the router starts its HTTP response there).
-        A non-empty `cache_salt` keeps the request's KV apart from other salts'."""
+        A non-empty `cache_salt` keeps the request's KV apart from other salts'. `awaiting`: an
+        early hand-off's (prompt, salt), which FirstToken finds once the engine has the request
+        (a token sent to the engine after the request, never before it)."""
         engine = await self._engine(context)
         if not request_id:
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
@@ -226,9 +275,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self._active.add(request_id)
         try:
             prompt: PromptType = {"prompt_token_ids": ids, "cache_salt": cache_salt} if cache_salt else ids
+            async def added() -> None:
+                if awaiting is not None:
+                    self._awaiting[request_id] = awaiting
+                await context.send_initial_metadata(())
+
             async for out in engine.generate(prompt, params, request_id, priority=priority,
-                                             on_added=lambda: context.send_initial_metadata(()),
-                                             num_prior_outputs=num_prior_outputs):
+                                             on_added=added, num_prior_outputs=num_prior_outputs,
+                                             await_first_token=awaiting is not None):
                 yield out
         except ValueError as e:
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -246,6 +300,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             why = self.guard.reason or "the engine core died"
             await _fail(context, grpc.StatusCode.UNAVAILABLE, f"not serving: {why}")
         return engine
+
+
+def _check_early(role: str, kv: dict[str, Any] | None, num_ids: int, num_output_tokens: int) -> None:
+    """What a Decode with await_first_token must be (ValueError naming the field)."""
+    if role != "decode":
+        raise ValueError(f"await_first_token: only a decode worker takes it (this one is {role})")
+    if kv is None:
+        raise ValueError("await_first_token: kv_transfer with do_remote_prefill must name the producer")
+    if kv["num_tokens"] != num_ids:
+        raise ValueError(f"kv_transfer.num_tokens: must be the prompt's {num_ids} tokens with "
+                         f"await_first_token, got {kv['num_tokens']}")
+    if num_output_tokens:
+        raise ValueError("num_output_tokens: must be 0 with await_first_token (the first token "
+                         "comes with FirstToken)")
 
 
 async def _parse(context: grpc.aio.ServicerContext, parse: Callable[[], T]) -> T:
