@@ -1,7 +1,8 @@
 """The split's hand-off through `pdserve up` (issue 33): long prompts one at a time, one table.
 
-For each setup (`pdserve up` at its defaults: one prefill and one decode worker, KV through the
-store; and `pdserve up --colocated` as the reference) the script starts the system on loopback
+For each setup (`split`: `pdserve up` at its defaults, one prefill and one decode worker, KV
+through the store, the decode call sent with the prefill (early hand-off); `split-after-prefill`:
+the same with `--handoff after-prefill`; and `pdserve up --colocated` as the reference) the script starts the system on loopback
 ports, sends `--warmup` then `--requests` prompts of `--prompt-len` random token ids, one at a
 time, streaming `--output-len` tokens (greedy, EOS ignored) from /v1/completions, and reads the
 arrival time of every streamed chunk. Per request:
@@ -19,7 +20,7 @@ asks the split for a first gap <= 1.2x its steady ITL and a TTFT <= the prefill 
 + 10%.
 
     python benchmarks/bench_handoff.py [--requests 12] [--prompt-len 1000] [--output-len 32]
-        [--setups split,colocated] [--repeats 1]
+        [--setups split,split-after-prefill,colocated] [--repeats 1]
 
 Only loopback; every request is bounded (--request-timeout-s) and the run by --requests.
 """
@@ -55,7 +56,7 @@ VOCAB_SAFE = (1000, 40000)  # random ids well inside the default model's vocabul
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--setups", default="split,colocated")
+    p.add_argument("--setups", default="split,split-after-prefill,colocated")
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=1000)
@@ -121,11 +122,14 @@ def run_setup(name: str, args: argparse.Namespace, log_dir: Path, prompts: list[
     argv = [sys.executable, "-m", "services.cli", "up", "--model", args.model, "--port", str(port),
             "--kvstore-port", str(kv), "--decode-port", str(dec), "--prefill-port", str(pre),
             "--startup-timeout-s", str(args.startup_timeout_s), *args.up_args.split()]
+    split = name.startswith("split")
     if name == "colocated":
         argv.append("--colocated")
+    elif name == "split-after-prefill":
+        argv += ["--handoff", "after-prefill"]
     # worker metrics: gRPC port + the default offset (1000); the colocated worker is the decode one
-    first_url = f"http://127.0.0.1:{(pre if name == 'split' else dec) + 1000}/metrics"
-    decode_url = f"http://127.0.0.1:{dec + 1000}/metrics" if name == "split" else None
+    first_url = f"http://127.0.0.1:{(pre if split else dec) + 1000}/metrics"
+    decode_url = f"http://127.0.0.1:{dec + 1000}/metrics" if split else None
     server = Server(name, argv, port, "pdserve is up", log_dir / f"{name}.log")
     try:
         server.wait_ready(args.startup_timeout_s)
@@ -175,9 +179,9 @@ def summarize(name: str, runs: list[dict[str, Any]]) -> list[object]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     names = [s for s in args.setups.split(",") if s]
-    unknown = set(names) - {"split", "colocated"}
+    unknown = set(names) - {"split", "split-after-prefill", "colocated"}
     if unknown:
-        raise SystemExit(f"unknown setups {sorted(unknown)} (split, colocated)")
+        raise SystemExit(f"unknown setups {sorted(unknown)} (split, split-after-prefill, colocated)")
     rng = random.Random(args.seed)
     prompts = [rng.sample(range(*VOCAB_SAFE), args.prompt_len) for _ in range(args.requests)]
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench-handoff-"))
@@ -202,7 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("worker TTFT: the prefill worker's own (split) or the colocated worker's: its "
           "vllm:request_queue_time_seconds + vllm:request_prefill_time_seconds (arrival -> first "
           "token); decode worker TTFT: the same on the split's decode worker (arrival -> its "
-          "first token: KV load and first step); router handoff: pdserve:handoff_seconds "
+          "first token: KV load and first step; with the early hand-off the arrival is the "
+          "prefill's start, so it spans the prefill too); router handoff: pdserve:handoff_seconds "
           f"(prefill's first token -> decode's first). Logs: {log_dir}")
     return 0
 

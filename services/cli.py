@@ -249,6 +249,9 @@ def _add_router(subparsers: Any) -> None:
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts with at most this many uncached tokens skip the prefill pool "
                         "(conditional disaggregation; 0 = always disaggregate)")
+    p.add_argument("--handoff", choices=["early", "after-prefill"], default="early",
+                   help="split mode: send each decode call with its prefill (early: the decode "
+                        "worker loads the KV while the prefill runs) or after it")
     p.add_argument("--max-waiting", type=int, default=64,
                    help="429 once every worker of a pool has this many queued requests")
     p.add_argument("--max-inflight", type=int, default=4096, help="429 beyond this many requests")
@@ -350,6 +353,7 @@ def _run_router(args: argparse.Namespace) -> int:
                                decode_timeout_s=args.decode_timeout_s, prefill_policy=args.policy,
                                decode_policy=args.policy, local_prefill_tokens=args.local_prefill_tokens,
                                stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations,
+                               early_handoff=args.handoff == "early",
                                worker_access=WorkerAccess(read_secret(TOKEN_ENV), TLSFiles(
                                    args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca)))
     try:

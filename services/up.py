@@ -91,6 +91,8 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--policy", choices=["prefix_aware", "least_loaded"], default="prefix_aware")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts with at most this many uncached tokens skip the prefill pool")
+    p.add_argument("--handoff", choices=["early", "after-prefill"], default="early",
+                   help="send each decode call with its prefill (early) or after it")
     p.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, "
                         "comma-separated keys); visible in ps: prefer the variable or --api-key-file")
@@ -272,7 +274,8 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
                                   parse_cpus(args.decode_cpus)))
     router = ["router", "--model", args.model, "--tokenizer", folder, "--host", h,
               "--port", str(args.port), "--policy", args.policy, "--worker-networks", _up_networks(h),
-              "--local-prefill-tokens", str(args.local_prefill_tokens), "--fd", str(router_fd)]
+              "--local-prefill-tokens", str(args.local_prefill_tokens), "--handoff", args.handoff,
+              "--fd", str(router_fd)]
     for spec in specs:
         if spec.kind != "kvstore":
             router += [f"--{'decode' if spec.kind == 'colocated' else spec.kind}", spec.target]

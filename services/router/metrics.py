@@ -17,6 +17,7 @@ is the worker's pool (prefill, decode or colocated) and `worker` its address.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -35,15 +36,18 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class _Fixed:
+M = TypeVar("M", Counter, Histogram)
+
+
+class _Fixed(Generic[M]):
     """A metric labelled by the caller's labels first, then the router's own (fixed) ones:
     `.labels(reason)` is the child for `reason` on this router."""
 
-    def __init__(self, metric: Counter, fixed: list[str]) -> None:
-        self._metric = metric
+    def __init__(self, metric: M, fixed: list[str]) -> None:
+        self._metric: M = metric
         self._fixed = fixed
 
-    def labels(self, *values: str) -> Counter:
+    def labels(self, *values: str) -> M:
         return self._metric.labels(*values, *self._fixed)
 
 
@@ -57,10 +61,11 @@ class RouterMetrics:
                               labels, buckets=TTFT_BUCKETS, registry=r).labels(*own)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output chunks.", labels,
                              buckets=ITL_BUCKETS, registry=r).labels(*own)
-        self.handoff = Histogram(
+        self.handoff = _Fixed(Histogram(
             "pdserve:handoff_seconds", "Split samples: from the prefill worker's first token reaching "
             "the router to the decode worker's first token (the sample's second): the KV hand-off "
-            "as a client sees it.", labels, buckets=ITL_BUCKETS, registry=r).labels(*own)
+            "as a client sees it. mode: early (the decode call went out with the prefill) or "
+            "after_prefill.", ["mode", *labels], buckets=ITL_BUCKETS, registry=r), own)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency, arrival to last token.",
                              labels, buckets=E2E_BUCKETS, registry=r).labels(*own)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests (once "

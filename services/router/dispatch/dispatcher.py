@@ -6,7 +6,13 @@
         ...  # step.token_ids, step.finish_reason, ...
 
 With prefill workers the prompt runs there first (its KV goes to the KV store) and the decode worker
-continues from `prompt + first token`. Without them (colocated mode) the decode worker runs it all.
+continues from `prompt + first token`. Early hand-off (`early_handoff`, the default): the decode
+call goes out together with the prefill (prompt only, await_first_token), so the decode worker
+allocates the blocks and loads each layer's KV while the prefill still runs; the prefill's
+first token then goes to it (FirstToken) and its first step starts at once. An early call that
+fails before its first token (or a FirstToken that finds no request) falls back to the plain
+hand-off on the same worker, and counts as no migration. Without prefill workers (colocated
+mode) the decode worker runs it all.
 Conditional disaggregation: when the part of the prompt the chosen decode worker has likely not
 cached is at most `local_prefill_tokens`, the decode worker computes it (no transfer). A failed
 prefill is retried on another prefill worker, then the decode worker computes the prompt; a worker
@@ -41,6 +47,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from services.router.dispatch.early import EarlyDecode, start_early
 from services.router.dispatch.inflight import Attempt, EndedByRouter, InFlight
 from services.router.dispatch.pool import Pick, Policy, PoolOptions, WorkerPool, WorkerState, is_down
 from services.router.dispatch.prefix_index import block_hashes
@@ -70,6 +77,7 @@ class DispatchOptions:
     stall_timeout_s: float = 5.0  # a decode stream silent this long moves to another worker
     max_migrations: int = 3  # per sample
     migration_wait_s: float = 60.0  # how long a migrating sample waits for a serving worker
+    early_handoff: bool = True  # the decode call goes out with the prefill (module docstring)
     worker_access: WorkerAccess | None = None  # worker token and TLS files; None = from the env
 
     def __post_init__(self) -> None:
@@ -134,14 +142,14 @@ class _Sample:
 class Dispatcher:
     """Runs one sample through a prefill worker and a decode worker (or one colocated worker).
     `on_decision(name)` is told how each sample was dispatched, `on_migration(reason)` each time
-    one moved to another worker ("broken", "stalled" or "unhealthy"), `on_handoff(seconds)` the
+    one moved to another worker ("broken", "stalled" or "unhealthy"), `on_handoff(seconds, mode)` the
     time from a prefill's first token to the decode worker's first (the sample's second), for
     metrics."""
 
     def __init__(self, options: DispatchOptions, on_decision: Callable[[str], None] | None = None,
                  on_prefill_failure: Callable[[str], None] | None = None,
                  on_migration: Callable[[str], None] | None = None,
-                 on_handoff: Callable[[float], None] | None = None) -> None:
+                 on_handoff: Callable[[float, str], None] | None = None) -> None:
         self.options = options
         self.inflight = InFlight(options.stall_timeout_s)
         self.prefill = (WorkerPool("prefill", options.prefill, options.pool_options(options.prefill_policy),
@@ -153,7 +161,7 @@ class Dispatcher:
         self._on_decision = on_decision or _ignore
         self._on_prefill_failure = on_prefill_failure or _ignore
         self._on_migration = on_migration or _ignore
-        self._on_handoff = on_handoff or _ignore
+        self._on_handoff = on_handoff or _ignore2
 
     @property
     def pools(self) -> list[WorkerPool]:
@@ -197,31 +205,54 @@ class Dispatcher:
         local = self._local_prefill(prompt_ids, hashes) if params.prompt_logprobs is None else None
         first: PrefillResult | None = None
         announced = False
-        if local is None:
-            async with aclosing(self._prefill(request_id, prompt_ids, params, hashes, priority,
-                                              cache_salt)) as items:
-                async for item in items:
-                    if isinstance(item, PrefillResult):
-                        first = item
-                    else:
-                        announced = True
-                        yield item
         sample = _Sample(request_id, prompt_ids, params, None, hashes,
                          time.monotonic() + self.options.decode_timeout_s, priority, cache_salt)
-        if first is not None:
-            done = params.max_tokens == 1 or first.finish_reason == "stop"
-            yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
-                       finish_reason=(first.finish_reason or "length") if done else "",
-                       cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs)
-            if done:
-                return
-            sample.generated.append(first.first_token_id)
-            sample.kv = first.kv_transfer_params
+        handing: asyncio.Future[bool] | None = None
+        early = (start_early(self.decode, request_id, prompt_ids, params, hashes, sample.deadline,
+                             priority, cache_salt)
+                 if local is None and self.prefill is not None and self.options.early_handoff else None)
+        try:
+            if local is None:
+                async with aclosing(self._prefill(request_id, prompt_ids, params, hashes, priority,
+                                                  cache_salt)) as items:
+                    async for item in items:
+                        if isinstance(item, PrefillResult):
+                            first = item
+                        else:
+                            announced = True
+                            yield item
+            if first is not None:
+                done = params.max_tokens == 1 or first.finish_reason == "stop"
+                # the decode worker gets the token while the caller gets it
+                handing = (asyncio.ensure_future(early.hand_over(
+                    first, self.options.stall_timeout_s, self.options.load_timeout_s))
+                    if early is not None and not done else None)
+                yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
+                           finish_reason=(first.finish_reason or "length") if done else "",
+                           cached_tokens=first.num_cached_tokens, prompt_logprobs=first.prompt_logprobs)
+                if done:
+                    return
+                sample.generated.append(first.first_token_id)
+                sample.kv = first.kv_transfer_params
+                if early is not None and handing is not None and not await handing:
+                    early.drop()
+                    early = None
+        except BaseException:
+            if handing is not None:
+                handing.cancel()
+            if early is not None:
+                early.drop()
+            raise
+        if first is None and early is not None:  # no prefill result: the decode worker computes it
+            early.drop()
+            early = None
         handoff_from = time.monotonic() if first is not None else None
-        async with aclosing(self._decode(sample, local, announce=first is None and not announced)) as steps:
+        async with aclosing(self._decode(sample, local, announce=first is None and not announced,
+                                         early=early)) as steps:
             async for step in steps:
                 if handoff_from is not None and step.token_ids:
-                    self._on_handoff(time.monotonic() - handoff_from)
+                    mode = "early" if early is not None and not early.fell_back else "after_prefill"
+                    self._on_handoff(time.monotonic() - handoff_from, mode)
                     handoff_from = None
                 # Prompt tokens not computed: the prefill's (not the tokens loaded from the
                 # store), or the decode call's, never more than the prompt (after a migration
@@ -305,17 +336,30 @@ class Dispatcher:
             self.inflight.discard(attempt)
             call.cancel()  # no-op once it ended; a consumer that left mid-prefill aborts it
 
-    async def _decode(self, sample: _Sample, pick: Pick | None = None, announce: bool = False
-                      ) -> AsyncGenerator[Step, None]:
-        """The sample's decode, moved to another worker as often as needed (and allowed)."""
-        worker = (pick or self._decode_pick(sample.hashes, len(sample.prompt_ids))).worker
+    async def _decode(self, sample: _Sample, pick: Pick | None = None, announce: bool = False,
+                      early: EarlyDecode | None = None) -> AsyncGenerator[Step, None]:
+        """The sample's decode, moved to another worker as often as needed (and allowed). An
+        early call that fails before its first token is followed by the plain hand-off on the
+        same worker (unless that worker is down)."""
+        worker = early.worker if early else (
+            pick or self._decode_pick(sample.hashes, len(sample.prompt_ids))).worker
         while True:
+            streamed = len(sample.generated)
             try:
-                async with aclosing(self._decode_on(worker, sample, announce)) as steps:
+                async with aclosing(self._decode_on(worker, sample, announce, early)) as steps:
                     async for step in steps:
                         yield step
                 return
             except WorkerError as e:
+                if early is not None and len(sample.generated) == streamed and not is_down(e) \
+                        and e.kind != "timeout":
+                    logger.warning("early decode of %s on %s failed before its first token (%s): "
+                                   "handing off after the prefill", sample.request_id, worker.target,
+                                   e.message)
+                    early.fell_back = True
+                    early = None
+                    continue
+                early = None
                 if e.kind in ("invalid", "timeout") or sample.migrations >= self.options.max_migrations:
                     raise
                 if is_down(e):
@@ -330,21 +374,28 @@ class Dispatcher:
                 logger.warning("migrating %s from %s to %s after %d tokens (%s): %s", sample.request_id,
                                failed, worker.target, len(sample.generated), reason, e.message)
 
-    async def _decode_on(self, worker: WorkerState, sample: _Sample, announce: bool
-                         ) -> AsyncGenerator[Step, None]:
-        """One attempt: the rest of the sample on `worker`. Raises WorkerError when the stream
-        breaks, stalls, or the router ended it; a stream that ends without finishing is broken."""
+    async def _decode_on(self, worker: WorkerState, sample: _Sample, announce: bool,
+                         early: EarlyDecode | None = None) -> AsyncGenerator[Step, None]:
+        """One attempt: the rest of the sample on `worker` (through the early call given, which
+        has its first token). Raises WorkerError when the stream breaks, stalls, or the router
+        ended it; a stream that ends without finishing is broken."""
         remaining = sample.deadline - time.monotonic()
         if remaining <= 0:
+            if early is not None:
+                early.drop()
             raise WorkerError(worker.target, "timeout", "the sample's decode deadline passed")
         rid, ids = sample.next_call()
-        lease = self.decode.acquire(worker, sample.hashes)
+        if early is not None:
+            lease = early.take_lease()
+        else:
+            lease = self.decode.acquire(worker, sample.hashes)
         try:
             # prompt logprobs come from the call that computes the first token, once
             params = replace(sample.params, prompt_logprobs=None) if sample.generated else sample.params
-            call = worker.client.start_decode(rid, ids, params, sample.kv, timeout_s=remaining,
-                                              announce=announce, num_output_tokens=len(sample.generated),
-                                              priority=sample.priority, cache_salt=sample.cache_salt)
+            call = early.call if early is not None else worker.client.start_decode(
+                rid, ids, params, sample.kv, timeout_s=remaining, announce=announce,
+                num_output_tokens=len(sample.generated), priority=sample.priority,
+                cache_salt=sample.cache_salt)
             attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=True))
             try:
                 async with aclosing(call.chunks()) as chunks:
@@ -408,4 +459,8 @@ def _ended_by_router(attempt: Attempt) -> Iterator[None]:
 
 
 def _ignore(_: object) -> None:
+    pass
+
+
+def _ignore2(_: object, __: object) -> None:
     pass

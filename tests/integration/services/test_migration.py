@@ -132,6 +132,50 @@ async def test_a_frozen_decode_worker_s_streams_move_and_it_sends_nothing_when_i
 
 
 @in_module_loop
+async def test_early_decode_calls_to_a_frozen_worker_fall_back_to_the_other_with_the_same_text(
+        router: ServedRouter, procs: dict[str, Proc], expected: dict[str, str]) -> None:
+    """A decode worker frozen just before the requests come (the router still counts it healthy
+    for a moment): the early decode calls sent to it with their prefills are never accepted, so
+    after the stall timeout each sample hands off after its prefill instead, on the other worker,
+    with the undisturbed text."""
+    victim, other = procs["decode-a"], procs["decode-b"]
+    early_before = router.metric("pdserve:handoff_seconds_count", mode="early")
+    plain_before = router.metric("pdserve:handoff_seconds_count", mode="after_prefill")
+    victim.freeze()
+    try:
+        async with openai.AsyncOpenAI(base_url=router.base_url, api_key="x", max_retries=0,
+                                      timeout=90) as client:
+            async def one(prompt: str) -> str:
+                out = await client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, seed=PROMPTS.index(prompt),
+                    temperature=SAMPLING["temperature"], top_p=SAMPLING["top_p"],
+                    presence_penalty=SAMPLING["presence_penalty"],
+                    frequency_penalty=SAMPLING["frequency_penalty"], extra_body={"ignore_eos": True})
+                return out.choices[0].text
+
+            texts = await asyncio.wait_for(asyncio.gather(*(one(p) for p in PROMPTS)), timeout=120)
+        assert dict(zip(PROMPTS, texts, strict=True)) == expected
+        early = router.metric("pdserve:handoff_seconds_count", mode="early") - early_before
+        plain = router.metric("pdserve:handoff_seconds_count", mode="after_prefill") - plain_before
+        assert early + plain == len(PROMPTS)
+        assert plain >= 1, "no early call went to the frozen worker: the fallback was not exercised"
+    finally:
+        victim.signal(signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    for p in (victim, other):  # the cancelled early calls leave nothing behind on either
+        while True:
+            load = await load_of(p.target)
+            if (load.num_running, load.num_waiting) == (0, 0) and \
+                    load.num_free_blocks == load.num_total_blocks:
+                break
+            assert time.monotonic() < deadline, load
+            await asyncio.sleep(0.1)
+    while router.metric("pdserve:worker_healthy", worker=victim.target) != 1:
+        assert time.monotonic() < deadline, "the woken worker never rejoined its pool"
+        await asyncio.sleep(0.1)
+
+
+@in_module_loop
 async def test_streams_of_a_killed_decode_worker_finish_on_the_other_with_the_same_text(
         router: ServedRouter, procs: dict[str, Proc], expected: dict[str, str]) -> None:
     before = router.metric("pdserve:router_migrations_total")
@@ -142,3 +186,4 @@ async def test_streams_of_a_killed_decode_worker_finish_on_the_other_with_the_sa
     survivor = procs["decode-b"] if victim is procs["decode-a"] else procs["decode-a"]
     load = await load_of(survivor.target)
     assert load.serving and load.num_running == 0
+
