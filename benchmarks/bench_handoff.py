@@ -2,10 +2,10 @@
 
 For each setup (`split`: `pdserve up` at its defaults, one prefill and one decode worker, KV
 through the store, the decode call sent with the prefill (early hand-off); `split-after-prefill`:
-the same with `--handoff after-prefill`; and `pdserve up --colocated` as the reference) the script starts the system on loopback
-ports, sends `--warmup` then `--requests` prompts of `--prompt-len` random token ids, one at a
-time, streaming `--output-len` tokens (greedy, EOS ignored) from /v1/completions, and reads the
-arrival time of every streamed chunk. Per request:
+the same with `--handoff after-prefill`; and `pdserve up --colocated` as the reference) the
+script starts the system on loopback ports, sends `--warmup` then `--requests` prompts of
+`--prompt-len` random token ids, one at a time, streaming `--output-len` tokens (greedy, EOS
+ignored) from /v1/completions, and reads the arrival time of every streamed chunk. Per request:
 
 - TTFT: request sent -> first token; first gap: first token -> second token (the hand-off in
   the split: the prefill worker's first token reaches the client, then the decode worker's);

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.connector.kvstore_worker import gather_tokens, scatter_tokens
+from engine.connector.kv_copy import gather_tokens, scatter_tokens
 
 BLOCK, HEADS, DIM = 4, 2, 3
 
