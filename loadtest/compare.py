@@ -7,9 +7,12 @@
 - `disaggregated-fcfs` (only when named in --setups): the same split with the prefill worker
   scheduling first come first served in 2,048-token steps, as before its shortest-first default;
 - `vllm-pd` (when vLLM CPU is installed in .peers/vllm, see loadtest/peers/install_vllm.sh):
-  vLLM's own disaggregated setup on the same cores: two `vllm serve` instances with a shared-storage
-  KV connector behind a proxy that sends the prompt to the prefill instance with max_tokens=1, then
-  to the decode instance.
+  vLLM's own disaggregated setup on the same cores, at vLLM's defaults (bf16 on this CPU, its
+  compiled forward): two `vllm serve` instances with a shared-storage KV connector behind a
+  proxy that sends the prompt to the prefill instance with max_tokens=1, then to the decode
+  instance;
+- `vllm-pd-fp32-eager` (only when named in --setups): the same forced to float32 and
+  --enforce-eager (the comparison this project made before it ran vLLM at its defaults).
 
 Each setup is started, loaded with the same seeded requests (bounded in count and time), and
 stopped before the next; the summary prints the runs side by side with the ratios that matter
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -73,7 +77,7 @@ class Server:
         stop_process(self.proc, timeout_s=90)
 
 
-SETUPS = ("colocated", "disaggregated", "disaggregated-fcfs", "vllm-pd")
+SETUPS = ("colocated", "disaggregated", "disaggregated-fcfs", "vllm-pd", "vllm-pd-fp32-eager")
 
 
 def setups(args: argparse.Namespace, out: Path) -> list[tuple[str, Any]]:
@@ -109,12 +113,16 @@ def setups(args: argparse.Namespace, out: Path) -> list[tuple[str, Any]]:
             "2048"])),
     ]
     if args.vllm and VLLM_PYTHON.exists():
-        port = args.base_port + 20
-        runs.append(("vllm-pd", lambda: Server("vllm-pd", [
-            str(VLLM_PYTHON), str(ROOT / "loadtest" / "peers" / "vllm_pd.py"), "--port", str(port),
-            "--served-model-name", args.model, "--prefill-cpus", as_list(map(str, pre)),
-            "--decode-cpus", as_list(map(str, dec)), "--max-model-len", str(args.max_model_len)],
-            port, "vllm pd is up", out / "vllm-pd.log")))
+        def vllm_pd(name: str, port: int, extra: list[str]) -> Server:
+            return Server(name, [
+                str(VLLM_PYTHON), str(ROOT / "loadtest" / "peers" / "vllm_pd.py"), "--port", str(port),
+                "--served-model-name", args.model, "--prefill-cpus", as_list(map(str, pre)),
+                "--decode-cpus", as_list(map(str, dec)), "--max-model-len", str(args.max_model_len),
+                *extra], port, "vllm pd is up", out / f"{name}.log")
+
+        runs.append(("vllm-pd", lambda: vllm_pd("vllm-pd", args.base_port + 20, [])))
+        runs.append(("vllm-pd-fp32-eager", lambda: vllm_pd("vllm-pd-fp32-eager", args.base_port + 40,
+                                                           ["--fp32-eager"])))
     elif args.vllm:
         print(f"vllm-pd skipped: {VLLM_PYTHON} not found (bash loadtest/peers/install_vllm.sh)")
     return [(n, f) for n, f in runs if n in args.setups]
@@ -133,12 +141,30 @@ def ratios(s: dict[str, dict[str, Any]]) -> list[str]:
                      f"{d['ttft_ms']['p50'] / f['ttft_ms']['p50']:.2f}, p99 ITL "
                      f"{d['itl_ms']['p99'] / f['itl_ms']['p99']:.2f}, goodput {d['goodput']:.2f} vs "
                      f"{f['goodput']:.2f}")
-    if {"vllm-pd", "disaggregated"} <= s.keys():
-        v, d = s["vllm-pd"], s["disaggregated"]
-        lines.append(f"pdserve split / vLLM split: p50 TTFT {d['ttft_ms']['p50'] / v['ttft_ms']['p50']:.2f}, "
-                     f"p99 ITL {d['itl_ms']['p99'] / v['itl_ms']['p99']:.2f} (below 1 favours pdserve), "
-                     f"goodput {d['goodput']:.2f} vs {v['goodput']:.2f}")
+    for peer, label in (("vllm-pd", "vLLM split (its defaults)"),
+                        ("vllm-pd-fp32-eager", "vLLM split (float32, eager)")):
+        if {peer, "disaggregated"} <= s.keys():
+            v, d = s[peer], s["disaggregated"]
+            lines.append(f"pdserve split / {label}: p50 TTFT "
+                         f"{d['ttft_ms']['p50'] / v['ttft_ms']['p50']:.2f}, p99 ITL "
+                         f"{d['itl_ms']['p99'] / v['itl_ms']['p99']:.2f} (below 1 favours pdserve), "
+                         f"throughput {d['out_tok_per_s'] / v['out_tok_per_s']:.2f}x, "
+                         f"goodput {d['goodput']:.2f} vs {v['goodput']:.2f}")
     return lines
+
+
+def median_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over runs of one setup (request counts summed)."""
+    out = dict(runs[0])
+    out["requests"] = sum(r["requests"] for r in runs)
+    out["failed"] = sum(r["failed"] for r in runs)
+    for key in ("duration_s", "req_per_s", "out_tok_per_s", "goodput"):
+        out[key] = statistics.median(r[key] for r in runs)
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        out[key] = {q: statistics.median(r[key][q] for r in runs) for q in runs[0][key]}
+    out["goodput_by_ttft_slo"] = {k: statistics.median(r["goodput_by_ttft_slo"][k] for r in runs)
+                                  for k in runs[0]["goodput_by_ttft_slo"]}
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -164,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="more `pdserve up` options for the pdserve split, e.g. "
                         "'--prefill-max-num-batched-tokens 512'")
     p.add_argument("--startup-timeout-s", type=float, default=600)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run every setup this many times, interleaved; the table gives medians")
     args = p.parse_args(argv)
     args.model_path = args.model_path or args.model
     args.setups = args.setups.split(",")
@@ -173,19 +201,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     slo = report.Slo(args.ttft_slo_ms, args.itl_slo_ms)
     rows: dict[str, list[dict[str, Any]]] = {}
-    for name, start in setups(args, args.out):
-        server = start()
-        try:
-            server.wait_ready(args.startup_timeout_s)
-            spec = spec_from_args(args, f"http://127.0.0.1:{server.port}")
-            print(f"{name}: {describe(spec)}", flush=True)
-            rows[name] = report.load(run_locust(spec, args.out / name))
-        finally:
-            server.stop()
-    summaries = {name: report.summarize(r, slo) for name, r in rows.items()}
+    runs: dict[str, list[dict[str, Any]]] = {}  # per setup, each repeat's summary
+    for r in range(args.repeats):
+        for name, start in setups(args, args.out):
+            server = start()
+            try:
+                server.wait_ready(args.startup_timeout_s)
+                spec = spec_from_args(args, f"http://127.0.0.1:{server.port}")
+                print(f"[{r + 1}/{args.repeats}] {name}: {describe(spec)}", flush=True)
+                sub = name if args.repeats == 1 else f"{name}-run{r + 1}"
+                rows[name] = report.load(run_locust(spec, args.out / sub))
+                runs.setdefault(name, []).append(report.summarize(rows[name], slo))
+            finally:
+                server.stop()
+    summaries = {name: median_summary(rs) for name, rs in runs.items()}
+    per_run = [f"run {r + 1}: " + "; ".join(ratios({n: rs[r] for n, rs in runs.items()}))
+               for r in range(args.repeats)] if args.repeats > 1 else []
     text = "\n".join([f"comparison: {describe(spec_from_args(args, ''))}; SLOs TTFT <= "
-                      f"{slo.ttft_ms:.0f} ms, ITL (per-request mean) <= {slo.itl_ms:.0f} ms",
-                      report.table(summaries), *ratios(summaries)])
+                      f"{slo.ttft_ms:.0f} ms, ITL (per-request mean) <= {slo.itl_ms:.0f} ms; "
+                      f"{args.repeats} interleaved run(s) per setup"
+                      + (" (medians)" if args.repeats > 1 else ""),
+                      report.table(summaries), *ratios(summaries), *per_run])
     (args.out / "summary.md").write_text(text + "\n")
     (args.out / "summary.json").write_text(json.dumps(summaries, indent=2))
     print(text)

@@ -15,7 +15,9 @@ instance on --cpus behind the same proxy (or serving --port itself with --direct
 Prints "vllm pd is up on http://127.0.0.1:PORT" when every instance answers /health; SIGINT or
 SIGTERM stops everything (bounded). Loopback only.
 
-Flags it takes on this CPU box: dtype float32, --enforce-eager, VLLM_CPU_OMP_THREADS_BIND set to
+Flags it takes on this CPU box: vLLM's own defaults (dtype auto: bfloat16 on CPUs with AVX-512
+BF16; its compiled forward; --fp32-eager for dtype float32 and --enforce-eager instead),
+VLLM_CPU_OMP_THREADS_BIND set to
 the instance's cores (the default "auto" reserves cores for the scheduler and the connector that
 a 1-core instance lacks), VLLM_CPU_KVCACHE_SPACE whole GiB per instance (--kv-cache-gib), and in
 P/D mode no chunked prefill (see serve_command). The connector's KV files are pruned after
@@ -79,6 +81,7 @@ class PeerConfig:
     extra_args: tuple[str, ...]
     stock_connector: bool = False
     kv_ttl_s: float = 600.0
+    fp32_eager: bool = False  # dtype float32 and --enforce-eager instead of vLLM's defaults
 
     def __post_init__(self) -> None:
         if self.colocated != (len(self.instances) == 1):
@@ -122,9 +125,11 @@ def serve_command(cfg: PeerConfig, inst: Instance) -> list[str]:
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", cfg.model, "--served-model-name", cfg.served_model_name,
         "--host", HOST, "--port", str(inst.port),
-        "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.3",
+        "--gpu-memory-utilization", "0.3",
         "--max-model-len", str(cfg.max_model_len), "--disable-uvicorn-access-log",
     ]
+    if cfg.fp32_eager:
+        cmd += ["--dtype", "float32", "--enforce-eager"]
     if cfg.storage_dir is not None:
         # ExampleConnector stores a prompt's KV at its first scheduling step: a chunked prefill
         # would store only the first chunk under the whole prompt's key, so never chunk.
@@ -362,6 +367,8 @@ def build_config(argv: list[str] | None = None) -> tuple[PeerConfig, bool]:
     ap.add_argument("--stock-connector", action="store_true",
                     help="vLLM's ExampleConnector as shipped (dies on a one-token prompt)")
     ap.add_argument("--vllm-args", default="", help="extra `vllm serve` arguments, one shell string")
+    ap.add_argument("--fp32-eager", action="store_true",
+                    help="dtype float32 and --enforce-eager (default: vLLM's own, bf16 and compiled)")
     a = ap.parse_args(argv)
     log_dir = Path(a.log_dir or tempfile.mkdtemp(prefix="vllm-pd-logs-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -379,7 +386,7 @@ def build_config(argv: list[str] | None = None) -> tuple[PeerConfig, bool]:
                      max_model_len=a.max_model_len, kv_cache_gib=a.kv_cache_gib, storage_dir=storage,
                      log_dir=log_dir, startup_timeout_s=a.startup_timeout,
                      extra_args=tuple(shlex.split(a.vllm_args)), stock_connector=a.stock_connector,
-                     kv_ttl_s=a.kv_ttl)
+                     kv_ttl_s=a.kv_ttl, fp32_eager=a.fp32_eager)
     return cfg, own_storage
 
 
