@@ -75,11 +75,12 @@ class EngineConfig:
     kv_load_wait_s: float = 0.5
     # A request that awaits its prefill's first token (an early hand-off) loads the prompt's KV
     # as its producer saves it: objects not in the store yet are asked for again every
-    # kv_await_poll_s (longer while none come), for at most kv_await_s in all (then what is
-    # missing is recomputed); the first token makes it ask at once for the last ones. Seldom
-    # asking keeps the polls' CPU off the prefill that shares the host (every poll is a store
-    # round trip); what a prefill saved since the last poll is loaded after its token came.
-    kv_await_s: float = 60.0
+    # kv_await_poll_s (longer while none come) for as long as the request waits; the first
+    # token makes it ask at once for the last ones, and what is still missing kv_await_s after
+    # the token is recomputed. Seldom asking keeps the polls' CPU off the prefill that shares
+    # the host (every poll is a store round trip); what a prefill saved since the last poll is
+    # loaded after its token came.
+    kv_await_s: float = 1.0
     kv_await_poll_s: float = 0.05
     # "async": the request waits in WAITING_FOR_REMOTE_KVS while its KV loads, others run (it
     # joins the step after the one its load finished in);

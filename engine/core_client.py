@@ -157,12 +157,11 @@ class InprocClient(EngineCoreClient):
 
     async def add_first_token_async(self, first: FirstToken) -> None:
         await asyncio.to_thread(self.add_first_token, first)
+        self._work_event().set()
 
     def add_first_token(self, first: FirstToken) -> None:
         with self._lock:
             self.engine_core.add_first_token(first)
-        if self._has_work is not None:
-            self._has_work.set()
 
     async def get_output_async(self) -> EngineCoreOutputs:
         """Waits until the core has requests, then runs one step off the event loop."""

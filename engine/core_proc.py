@@ -44,7 +44,6 @@ from engine.serial import (
 )
 
 logger = logging.getLogger(__name__)
-IDLE_WAIT_S = 0.01  # the most a core with only KV loads in flight waits before stepping again
 _WAKE = b"wake"  # internal: from the core's own threads, never from the socket (a no-op)
 
 
@@ -121,8 +120,8 @@ class EngineCoreProc:
         idle = False
         while True:
             # Nothing to run: wait for a message; only loads in flight (or grammars compiling):
-            # wait for one at most IDLE_WAIT_S, then step again to see what finished.
-            timeout = IDLE_WAIT_S if idle else None
+            # wait for one at most the core's idle_wait_s, then step again to see what finished.
+            timeout = self.core.idle_wait_s if idle else None
             if not self._handle_inputs(block=idle or not self.core.has_unfinished_requests(),
                                        timeout=timeout):
                 return

@@ -45,6 +45,7 @@ class EngineCore:
 
     def __init__(self, config: EngineConfig) -> None:
         self.last_step_idle = False
+        self.idle_wait_s = 0.001
         from engine.attention.selector import backend_for_device
         from engine.model.loader import (
             load_model,
@@ -145,7 +146,8 @@ class EngineCore:
     def step(self, idle_sleep_s: float = 0.001) -> EngineCoreOutputs:
         """One step. A step that scheduled nothing and gave nothing (only KV loads in flight or
         grammars compiling) sleeps `idle_sleep_s` so a caller's loop does not spin, and sets
-        `last_step_idle` (a caller that can wait for input instead passes 0)."""
+        `last_step_idle` and `idle_wait_s`, how long such a caller may wait for input before
+        stepping again (a caller that can wait for input passes 0)."""
         self.last_step_idle = False
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs()
@@ -162,6 +164,10 @@ class EngineCore:
             self.step_seconds.observe(time.perf_counter() - start)
         elif not outputs.outputs and not _finished_loads(runner_output):
             self.last_step_idle = True  # (a load that finished lets its request run next step)
+            # Only loads in flight (which wake the caller when they finish): a longer wait; a
+            # grammar compiling or a store lookup unanswered: soon again.
+            only_loads = not self.scheduler.waiting_for_fsm and len(self.scheduler.waiting) == 0
+            self.idle_wait_s = 0.01 if only_loads else 0.001
             if idle_sleep_s > 0:
                 time.sleep(idle_sleep_s)  # only KV loads in flight or grammars compiling: no spin
         return outputs

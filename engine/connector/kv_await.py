@@ -1,16 +1,20 @@
 """Loads of an early hand-off: KV a producer is still saving (a decode dispatched beside its
 prefill, engine/connector/kvstore_worker.py).
 
-One thread serves every such load. Each round asks the store, in one call, for every object
-not received yet (layer-major within a load, as its producer saves them) and writes those
-that came into their requests' blocks; when some are still missing it waits and asks again:
-`await_poll_s` after a round that brought something, twice as long after each round that
-brought nothing (up to MAX_BACKOFF times as long: a prefill queued behind others is seldom
-polled), and at once after `hurry` (the prefill's first token came: its last layer is in).
-A load ends when all its objects are in, when `await_s` has passed (what is
-missing then counts as missing: its tokens are recomputed), or when its request is aborted
-(`cancel`: nothing of it counts). Its future gives (tokens valid from the start, first error
-or None), as the connector's other loads do.
+One thread serves every such load. Each round first asks the store, per chunk of each load,
+for its lowest layer not received yet (a probe: a few keys, however many are missing), then
+for every other missing layer of each chunk whose probe came, and writes what came into the
+requests' blocks. Between rounds it waits `await_poll_s` after a round that brought
+something, twice as long after each that brought nothing (up to MAX_BACKOFF times: a prefill
+queued behind others is seldom polled), and not at all after `hurry` (the prefill's first
+token came: every object is saved, or never will be) or when a load is added or cancelled.
+
+A load waits as long as its request does until `hurry`; from then it has `await_s` (a grace
+for saves still under way) before what is missing counts as missing (those tokens are
+recomputed). `cancel` (the request was aborted) ends it with nothing valid. A store that fails
+a round is asked again in the next (the failure is logged once per streak). Each load's
+future gives (tokens valid from the start, first error or None), as the connector's other
+loads do.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class _Awaiting:
     spec: LoadSpec
     todo: list[tuple[int, int]]  # (layer, chunk) not received yet
     state: LoadState
-    deadline: float  # monotonic
+    deadline: float | None = None  # monotonic; set by hurry
     started: float = field(default_factory=time.perf_counter)
     future: Future[tuple[int, str | None]] = field(default_factory=Future)
     cancelled: bool = False
@@ -62,18 +66,21 @@ class AwaitingLoads:
         self._loads: dict[str, _Awaiting] = {}
         self._cond = threading.Condition()
         self._closing = False
+        self._wake = False  # a load was added, cancelled or hurried: the next round at once
         self._thread: threading.Thread | None = None
         self._backoff = 1  # the next wait, in await_poll_s
+        self._failing = False  # the last round's store call failed
 
     def add(self, spec: LoadSpec, chunks: Callable[[LoadSpec, int], list[int]], num_layers: int
             ) -> Future[tuple[int, str | None]]:
         todo = [(layer, c) for layer in range(num_layers) for c in chunks(spec, layer)]
-        load = _Awaiting(spec, todo, LoadState(spec.end), time.monotonic() + spec.await_s)
+        load = _Awaiting(spec, todo, LoadState(spec.end))
         with self._cond:
             self._loads[spec.req_id] = load
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="kv-await-loader", daemon=True)
                 self._thread.start()
+            self._wake = True
             self._cond.notify_all()
         return load.future
 
@@ -83,13 +90,18 @@ class AwaitingLoads:
             load = self._loads.get(req_id)
             if load is not None:
                 load.cancelled = True
+                self._wake = True
                 self._cond.notify_all()
 
     def hurry(self, req_id: str) -> None:
-        """The request's producer is done: ask for its missing objects now."""
+        """The request's producer is done: ask for its missing objects now; what has not come
+        within await_s counts as missing."""
         with self._cond:
-            if req_id in self._loads:
-                self._backoff = 0
+            load = self._loads.get(req_id)
+            if load is not None:
+                load.deadline = time.monotonic() + load.spec.await_s
+                self._wake = True
+                self._backoff = 1
                 self._cond.notify_all()
 
     def shutdown(self) -> None:
@@ -105,30 +117,35 @@ class AwaitingLoads:
                 while not self._loads and not self._closing:
                     self._cond.wait()
                 if self._closing:
-                    for load in self._loads.values():
-                        self._end(load, "the connector shut down", valid=load.spec.start)
-                    self._loads.clear()
+                    self._end_all("the connector shut down")
                     return
                 loads = list(self._loads.values())
-                self._backoff = max(self._backoff, 1)
-            progressed = self._round(loads)
+                self._wake = False
+            try:
+                progressed = self._round(loads)
+            except Exception as exc:  # a bug here must not leave requests waiting forever
+                logger.exception("awaiting KV loads failed")
+                with self._cond:
+                    self._end_all(f"the KV loader failed: {exc!r}")
+                continue
             with self._cond:
                 for load in loads:
                     if load.future.done():
                         self._loads.pop(load.spec.req_id, None)
                 waiting = [load for load in self._loads.values() if not load.cancelled]
                 poll = min((load.spec.await_poll_s for load in waiting), default=0.0)
-                if self._backoff and waiting:  # 0: hurried meanwhile
+                if waiting and not self._wake:
                     self._backoff = 1 if progressed else min(2 * self._backoff, MAX_BACKOFF)
-                    # an added, cancelled or hurried load wakes it sooner
-                    self._cond.wait_for(lambda: self._backoff == 0 or self._closing,
-                                        poll * self._backoff)
+                    self._cond.wait_for(lambda: self._wake or self._closing, poll * self._backoff)
+
+    def _end_all(self, why: str) -> None:
+        for load in self._loads.values():
+            self._end(load, why, valid=load.spec.start)
+        self._loads.clear()
 
     def _round(self, loads: list[_Awaiting]) -> bool:
-        """One look at the store; ends the loads that are complete, past their deadline or
-        cancelled. True when some object came. A round first asks, per chunk of each load, for
-        its lowest layer not received yet (a probe: a few keys, however many are missing); for
-        each chunk whose probe came it then asks for all its other missing layers at once."""
+        """One look at the store (module docstring); ends the loads that are complete, past
+        their deadline or cancelled. True when some object came."""
         live = [load for load in loads if not load.cancelled]
         probes = []
         for load in live:
@@ -137,17 +154,20 @@ class AwaitingLoads:
                 if c not in seen:
                     seen.add(c)
                     probes.append((load, layer, c))
+        got: set[tuple[int, int, int]] = set()
         try:
             got = self._fetch(probes)
             hit = {(id(load), c) for load, layer, c in probes if (id(load), layer, c) in got}
             rest = [(load, layer, c) for load in live for layer, c in load.todo
                     if (id(load), c) in hit and (id(load), layer, c) not in got]
             got |= self._fetch(rest)
-        except Exception as exc:  # the store failed: these loads end with nothing valid
+            self._failing = False
+        except Exception as exc:  # the store failed: asked again next round (what came stays)
             self._store_failed()
-            for load in loads:
-                self._end(load, f"loading from the KV store failed: {exc}", valid=load.spec.start)
-            return True
+            if not self._failing:
+                logger.warning("KV store failed while %d early loads wait (asking again): %s",
+                               len(live), exc)
+            self._failing = True
         for load in live:
             load.todo = [(layer, c) for layer, c in load.todo if (id(load), layer, c) not in got]
         now = time.monotonic()
@@ -155,11 +175,12 @@ class AwaitingLoads:
             if load.cancelled:
                 self._end(load, "the request was aborted", valid=load.spec.start)
                 continue
-            if load.todo and now >= load.deadline:
+            if load.todo and load.deadline is not None and now >= load.deadline:
                 for layer, c in load.todo:  # never saved: missing (its tokens are recomputed)
                     self._apply(load.spec, layer, c, None, load.state)
-                logger.warning("KV of %s: %d objects not saved within %.1f s; their tokens are "
-                               "recomputed", load.spec.req_id, len(load.todo), load.spec.await_s)
+                logger.warning("KV of %s: %d objects not in the store %.1f s after its first token; "
+                               "their tokens are recomputed", load.spec.req_id, len(load.todo),
+                               load.spec.await_s)
                 load.todo = []
             if not load.todo:
                 self._end(load, load.state.error)

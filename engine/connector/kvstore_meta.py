@@ -20,7 +20,7 @@ class LoadSpec:
     group_starts: list[int] = field(default_factory=list)
     layerwise: bool = False  # loaded inside the step that computes the rest (forward waits per layer)
     # > 0: the producer is still saving (an early hand-off): objects not in the store yet are
-    # asked for again every await_poll_s, for at most await_s
+    # asked for again (every await_poll_s, or longer) until at most await_s after the first token
     await_s: float = 0.0
     await_poll_s: float = 0.05
 

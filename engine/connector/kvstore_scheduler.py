@@ -49,7 +49,7 @@ class StoreConnectorOptions:
     lookup_wait_s: float = 0.05  # the longest a step waits for a lookup before asking again later
     lease_wait_s: float = 1.0  # the longest a step waits for a lease (the control calls' timeout)
     block_size: int = 16  # the engine's (a load skips the null blocks a sliding window leaves)
-    await_s: float = 60.0  # an early hand-off's load waits this long for its producer's objects
+    await_s: float = 1.0  # an early hand-off's load: how long after the first token missing objects may come
     await_poll_s: float = 0.05  # ... asking again for the missing ones this often
 
 

@@ -189,19 +189,20 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._wakeup()
 
     def start_load_kv(self) -> None:
-        for req_id in self._meta.cancels:
-            self._awaiter.cancel(req_id)
-        for req_id in self._meta.hurries:
-            self._awaiter.hurry(req_id)
         layerwise = [spec for spec in self._meta.loads if spec.layerwise]
         for spec in self._meta.loads:
             if spec.await_s > 0:
-                self._loads[spec.req_id] = (spec, self._awaiter.add(spec, self._chunks, len(self.kv_caches)))
+                future = self._awaiter.add(spec, self._chunks, len(self.kv_caches))
             elif not spec.layerwise:
-                self._loads[spec.req_id] = (spec, self._loader.submit(self._load, spec))
+                future = self._loader.submit(self._load, spec)
             else:
                 continue
-            self._loads[spec.req_id][1].add_done_callback(self._loaded)
+            self._loads[spec.req_id] = (spec, future)
+            future.add_done_callback(self._loaded)
+        for req_id in self._meta.cancels:  # after the adds: they may name a load of this step
+            self._awaiter.cancel(req_id)
+        for req_id in self._meta.hurries:
+            self._awaiter.hurry(req_id)
         if layerwise:
             self._start_layerwise(layerwise)
 

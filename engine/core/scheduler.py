@@ -41,6 +41,10 @@ if TYPE_CHECKING:
     from engine.connector.base import KVConnectorScheduler
 
 logger = logging.getLogger(__name__)
+# A request awaiting its prefill's first token takes blocks for its early load only while the
+# cache is less used than this: under pressure the blocks go to requests that can run, and it
+# loads once its token came (as a plain hand-off).
+EARLY_MAX_KV_USAGE = 0.75
 
 
 class Scheduler(KVLoads, GrammarWaits):
@@ -96,7 +100,8 @@ class Scheduler(KVLoads, GrammarWaits):
 
     def has_unfinished_requests(self) -> bool:
         return (bool(self.running) or len(self.waiting) > 0 or bool(self.waiting_for_kv)
-                or bool(self._aborted_loading) or bool(self.waiting_for_fsm))
+                or bool(self._aborted_loading) or bool(self.waiting_for_fsm)
+                or bool(self._failed_outputs))  # a failure outside a step: the next step sends it
 
     @property
     def num_waiting(self) -> int:
@@ -240,6 +245,8 @@ class Scheduler(KVLoads, GrammarWaits):
     def _start_waiting(self, request: Request, step: WaitingStep) -> int | None:
         """A new (or preempted) request: prefix-cache hits, then the connector's offer, then
         what is left to compute."""
+        if request.awaiting_first_token and self.kv.usage >= EARLY_MAX_KV_USAGE:
+            return self._park(request)  # room kept for running requests: it loads after its token
         # prompt_logprobs need every prompt position computed here (as vLLM: no cache hits)
         computes_all = request.sampling_params.prompt_logprobs is not None
         hits, num_hit_tokens = ([], 0) if computes_all else self.kv.get_computed_blocks(request)

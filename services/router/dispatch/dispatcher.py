@@ -125,9 +125,13 @@ class Dispatcher:
         sample = _Sample(request_id, prompt_ids, params, None, hashes,
                          time.monotonic() + self.options.decode_timeout_s, priority, cache_salt)
         handing: asyncio.Future[bool] | None = None
-        early = (start_early(self.decode, request_id, prompt_ids, params, hashes, sample.deadline,
+        opts = self.options
+        # the early call lives through the prefill's attempts, then the decode's own time
+        early = (start_early(self.decode, request_id, prompt_ids, params, hashes,
+                             opts.prefill_timeout_s * opts.prefill_attempts + opts.decode_timeout_s,
                              priority, cache_salt)
-                 if local is None and self.prefill is not None and self.options.early_handoff else None)
+                 if local is None and self.prefill is not None and opts.early_handoff else None)
+        handed = False  # the early call (if any) went on to the decode; else it is dropped below
         try:
             if local is None:
                 async with aclosing(self._prefill(request_id, prompt_ids, params, hashes, priority,
@@ -142,7 +146,7 @@ class Dispatcher:
                 done = params.max_tokens == 1 or first.finish_reason == "stop"
                 # the decode worker gets the token while the caller gets it
                 handing = (asyncio.ensure_future(early.hand_over(
-                    first, self.options.stall_timeout_s, self.options.load_timeout_s))
+                    first, opts.stall_timeout_s, opts.load_timeout_s))
                     if early is not None and not done else None)
                 yield Step([first.first_token_id], [first.logprobs] if first.logprobs is not None else [],
                            finish_reason=(first.finish_reason or "length") if done else "",
@@ -151,18 +155,16 @@ class Dispatcher:
                     return
                 sample.generated.append(first.first_token_id)
                 sample.kv = first.kv_transfer_params
-                if early is not None and handing is not None and not await handing:
+                handed = handing is not None and await handing
+            # else no prefill result: the decode worker computes the prompt (plain call)
+        finally:
+            if not handed:
+                if handing is not None:
+                    handing.cancel()
+                if early is not None:
                     early.drop()
-                    early = None
-        except BaseException:
-            if handing is not None:
-                handing.cancel()
-            if early is not None:
-                early.drop()
-            raise
-        if first is None and early is not None:  # no prefill result: the decode worker computes it
-            early.drop()
-            early = None
+                early = None
+        sample.deadline = time.monotonic() + opts.decode_timeout_s  # the decode's own, from now
         handoff_from = time.monotonic() if first is not None else None
         async with aclosing(self._decode(sample, local, announce=first is None and not announced,
                                          early=early)) as steps:
@@ -265,6 +267,12 @@ class Dispatcher:
             try:
                 async with aclosing(self._decode_on(worker, sample, announce, early)) as steps:
                     async for step in steps:
+                        if (early is not None and step.finish_reason == "abort" and not step.token_ids
+                                and len(sample.generated) == streamed):
+                            # ended before its first token (its load failed under the "fail"
+                            # policy, or the engine refused it): the plain hand-off instead
+                            raise WorkerError(worker.target, "failed",
+                                              "the early decode ended before its first token")
                         yield step
                 return
             except WorkerError as e:

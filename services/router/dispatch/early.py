@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -62,7 +61,7 @@ class EarlyDecode:
 
 
 def start_early(pool: WorkerPool, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                hashes: Sequence[int], deadline: float, priority: int, cache_salt: str
+                hashes: Sequence[int], timeout_s: float, priority: int, cache_salt: str
                 ) -> EarlyDecode | None:
     """The decode call of an early hand-off, sent now; None where the plain hand-off runs (one
     token, structured outputs, or no serving decode worker now: the plain path says so later)."""
@@ -77,6 +76,6 @@ def start_early(pool: WorkerPool, request_id: str, prompt_ids: list[int], params
     kv = {"do_remote_prefill": True, "keys": [], "num_tokens": len(prompt_ids), "transfer_id": rid}
     call = worker.client.start_decode(
         rid, prompt_ids, replace(params, prompt_logprobs=None), kv,
-        timeout_s=max(0.001, deadline - time.monotonic()), priority=priority, cache_salt=cache_salt,
+        timeout_s=timeout_s, priority=priority, cache_salt=cache_salt,
         await_first_token=True)
     return EarlyDecode(pool, worker, rid, call, lease)

@@ -3,7 +3,8 @@ run (EngineCoreRequest.await_first_token), allocates its blocks and loads the pr
 producer saves it, computes nothing until the prefill's first token comes (add_first_token),
 then decodes from it: greedy float32 tokens equal one colocated engine, the whole prompt loaded.
 The token may come before or after the KV; an abort stops a load that waits; a producer that
-never saves leaves the consumer to recompute after kv_await_s. No block or lease is left."""
+never saves leaves the consumer to recompute kv_await_s after the token (or to fail, by
+policy). No block or lease is left."""
 
 from __future__ import annotations
 
@@ -121,15 +122,18 @@ def test_abort_stops_a_load_that_waits(store: KVStoreService, long_model_dir: Pa
 
 def test_a_producer_that_never_saves_leaves_the_consumer_to_recompute(
         store: KVStoreService, long_model_dir: Path, colocated: dict[int, list[int]]) -> None:
-    """The prefill ran elsewhere (its KV never reached this store): after kv_await_s the load
-    ends with nothing, and once the token comes the consumer computes the prompt itself."""
+    """The prefill ran elsewhere (its KV never reached this store): the load waits as long as
+    the request does, and kv_await_s after the first token what is missing counts as missing:
+    the consumer computes the prompt itself."""
     consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
                    kv_store_url=store.location, kv_await_s=0.3)
     plain = llm(long_model_dir)
     prompt = prompt_of(257)
     first = plain.generate([prompt], greedy(1), use_tqdm=False)[0].outputs[0].token_ids[0]
     add_early(consumer, "x", prompt)
-    step_until(consumer, lambda outs: parked(consumer, "x"), timeout_s=10)
+    start = time.monotonic()
+    step_until(consumer, lambda outs: time.monotonic() - start > 1.0)  # well past kv_await_s
+    assert "x" in consumer.engine_core.scheduler.waiting_for_kv  # no deadline before the token
     consumer.engine_core.add_first_token(FirstToken("x", first, None))
     outputs = step_until(consumer, lambda outs: finished(outs, "x") is not None)
     assert [first, *tokens_of(outputs, "x")] == colocated[257]
@@ -138,6 +142,24 @@ def test_a_producer_that_never_saves_leaves_the_consumer_to_recompute(
     assert free_blocks(consumer) == (total, total)
     consumer.engine_core.shutdown()
     plain.engine_core.shutdown()
+
+
+def test_a_failed_load_under_the_fail_policy_ends_the_request_when_its_token_comes(
+        store: KVStoreService, long_model_dir: Path) -> None:
+    """The load ended (nothing saved, kv_await_s passed) while the request was parked: the
+    token makes it fail, and the core gives its final output without another request to step."""
+    consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
+                   kv_store_url=store.location, kv_await_s=0.2, kv_load_failure_policy="fail")
+    add_early(consumer, "f", prompt_of(300, seed=7))
+    step_until(consumer, lambda outs: "f" in consumer.engine_core.scheduler.waiting_for_kv)
+    consumer.engine_core.add_first_token(FirstToken("f", 5, None))  # hurries: 0.2 s, then missing
+    outputs = step_until(consumer, lambda outs: finished(outs, "f") is not None, timeout_s=10)
+    end = finished(outputs, "f")
+    assert str(end.finish_reason) == "abort" and "kv_load_failed" in str(end.stop_reason)
+    assert not consumer.engine_core.has_unfinished_requests()
+    total = free_blocks(consumer)[1]
+    assert free_blocks(consumer) == (total, total)
+    consumer.engine_core.shutdown()
 
 
 def test_bad_early_requests_fail_clearly(store: KVStoreService, long_model_dir: Path) -> None:

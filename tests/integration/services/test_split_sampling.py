@@ -259,3 +259,28 @@ async def test_a_preemption_mid_decode_changes_no_token(workers: dict[str, Worke
     finally:
         await split.close()
         await small.stop(grace_s=1.0)
+
+
+@in_module_loop
+async def test_a_first_token_that_ends_the_sample_leaves_no_early_decode_behind(
+        dispatchers: dict[str, Dispatcher], workers: dict[str, WorkerServer]) -> None:
+    """The early decode call went out with the prefill; the prefill's token is a stop token, so
+    the sample ends there: the call is cancelled (the decode worker frees its blocks) and its
+    lease in the decode pool released."""
+    from services.worker.client import WorkerClient
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    first = (await _sample(dispatchers["colocated"], "colo-stop-first", greedy))[0][0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[first])
+    ids, _, finish = await _sample(dispatchers["split"], "split-stop-first", params)
+    assert (ids, finish) == ([first], "stop")
+    pool = dispatchers["split"].decode
+    async with WorkerClient(workers["decode"].target) as client:
+        deadline = time.monotonic() + 10
+        while True:
+            load = await client.load()
+            if (load.num_running, load.num_waiting, load.num_free_blocks) == \
+                    (0, 0, load.num_total_blocks) and all(w.inflight == 0 for w in pool.workers):
+                break
+            assert time.monotonic() < deadline, (load, [w.inflight for w in pool.workers])
+            await asyncio.sleep(0.05)
