@@ -70,6 +70,23 @@ def router(procs: dict[str, Proc], model_dir: Path) -> Iterator[ServedRouter]:
         yield served
 
 
+async def idle_and_back(router: ServedRouter, victim: Proc, *others: Proc) -> None:
+    """Waits (30 s at most) until the woken `victim` and `others` hold no request and no block,
+    and the router counts the victim healthy again."""
+    deadline = time.monotonic() + 30
+    for p in (victim, *others):
+        while True:
+            load = await load_of(p.target)
+            if (load.num_running, load.num_waiting) == (0, 0) and \
+                    load.num_free_blocks == load.num_total_blocks:
+                break
+            assert time.monotonic() < deadline, load
+            await asyncio.sleep(0.1)
+    while router.metric("pdserve:worker_healthy", worker=victim.target) != 1:
+        assert time.monotonic() < deadline, "the woken worker never rejoined its pool"
+        await asyncio.sleep(0.1)
+
+
 async def run_streams_and_strike(router: ServedRouter, procs: dict[str, Proc], sig: int
                                  ) -> tuple[dict[str, str], Proc]:
     """Streams every prompt; once each has tokens, sends `sig` to the decode worker holding the
@@ -119,16 +136,7 @@ async def test_a_frozen_decode_worker_s_streams_move_and_it_sends_nothing_when_i
     finally:
         victim.signal(signal.SIGCONT)
     # Awake, it sees the router's cancellations: it aborts those requests and is idle again.
-    deadline = time.monotonic() + 30
-    while True:
-        load = await load_of(victim.target)
-        if load.num_running == 0 and load.num_waiting == 0 and load.num_free_blocks == load.num_total_blocks:
-            break
-        assert time.monotonic() < deadline, load
-        await asyncio.sleep(0.1)
-    while router.metric("pdserve:worker_healthy", worker=victim.target) != 1:
-        assert time.monotonic() < deadline, "the woken worker never rejoined its pool"
-        await asyncio.sleep(0.1)
+    await idle_and_back(router, victim)
 
 
 @in_module_loop
@@ -161,18 +169,7 @@ async def test_early_decode_calls_to_a_frozen_worker_fall_back_to_the_other_with
         assert plain >= 1, "no early call went to the frozen worker: the fallback was not exercised"
     finally:
         victim.signal(signal.SIGCONT)
-    deadline = time.monotonic() + 30
-    for p in (victim, other):  # the cancelled early calls leave nothing behind on either
-        while True:
-            load = await load_of(p.target)
-            if (load.num_running, load.num_waiting) == (0, 0) and \
-                    load.num_free_blocks == load.num_total_blocks:
-                break
-            assert time.monotonic() < deadline, load
-            await asyncio.sleep(0.1)
-    while router.metric("pdserve:worker_healthy", worker=victim.target) != 1:
-        assert time.monotonic() < deadline, "the woken worker never rejoined its pool"
-        await asyncio.sleep(0.1)
+    await idle_and_back(router, victim, other)  # the cancelled early calls leave nothing behind
 
 
 @in_module_loop
