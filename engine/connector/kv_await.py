@@ -10,11 +10,11 @@ queued behind others is seldom polled), and not at all after `hurry` (the prefil
 token came: every object is saved, or never will be) or when a load is added or cancelled.
 
 A load waits as long as its request does until `hurry`; from then it has `await_s` (a grace
-for saves still under way) before what is missing counts as missing (those tokens are
-recomputed). `cancel` (the request was aborted) ends it with nothing valid. A store that fails
-a round is asked again in the next (the failure is logged once per streak). Each load's
-future gives (tokens valid from the start, first error or None), as the connector's other
-loads do.
+for saves still under way; none while the store fails) before what is missing counts as
+missing (those tokens are recomputed). `cancel` (the request was aborted) ends it with
+nothing valid. A store that fails a round is asked again in the next (the failure is logged
+once per streak). Each load's future gives (tokens valid from the start, first error or
+None), as the connector's other loads do.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class AwaitingLoads:
         with self._cond:
             load = self._loads.get(req_id)
             if load is not None:
-                load.deadline = time.monotonic() + load.spec.await_s
+                # a store failing now is not waited for (the plain load would not wait either)
+                load.deadline = time.monotonic() + (0.0 if self._failing else load.spec.await_s)
                 self._wake = True
                 self._backoff = 1
                 self._cond.notify_all()

@@ -169,3 +169,27 @@ def test_bad_early_requests_fail_clearly(store: KVStoreService, long_model_dir: 
     with pytest.raises(ValueError, match="do_remote_prefill"):
         consumer.engine_core.add_request(request)
     consumer.engine_core.shutdown()
+
+
+def test_a_dead_store_is_not_waited_for_once_the_token_comes(
+        long_model_dir: Path, colocated: dict[int, list[int]]) -> None:
+    """Nothing answers at the store's address: the waiting load keeps asking (no deadline before
+    the token), and once the token comes the request computes its prompt at once, without
+    waiting out kv_await_s."""
+    from services.procs import free_port
+
+    consumer = llm(long_model_dir, kv_connector="kvstore", kv_role="kv_consumer",
+                   kv_store_url=f"grpc://127.0.0.1:{free_port()}", kv_await_s=30.0)
+    plain = llm(long_model_dir)
+    prompt = prompt_of(257)
+    first = plain.generate([prompt], greedy(1), use_tqdm=False)[0].outputs[0].token_ids[0]
+    add_early(consumer, "d", prompt)
+    start = time.monotonic()
+    step_until(consumer, lambda outs: time.monotonic() - start > 0.5)
+    consumer.engine_core.add_first_token(FirstToken("d", first, None))
+    start = time.monotonic()
+    outputs = step_until(consumer, lambda outs: finished(outs, "d") is not None, timeout_s=10)
+    assert time.monotonic() - start < 5, "the dead store was waited for"
+    assert [first, *tokens_of(outputs, "d")] == colocated[257]
+    consumer.engine_core.shutdown()
+    plain.engine_core.shutdown()
