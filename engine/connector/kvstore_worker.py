@@ -12,8 +12,8 @@ request's blocks, either while other requests keep running (async: the request w
 WAITING_FOR_REMOTE_KVS) or inside the step that computes the request, whose forward waits for
 each layer in turn (layer-wise); the scheduler half picks per load (EngineConfig.kv_load_mode).
 An early hand-off's load (LoadSpec.await_s, a decode dispatched beside its prefill) runs while
-the producer is still saving: it takes each object as it appears, asking again for the missing
-ones every await_poll_s, until all are in, await_s passes, or the request is aborted.
+the producer is still saving: it takes each object as it appears (engine/connector/kv_await.py),
+until all are in, await_s has passed since the first token came, or the request is aborted.
 A missing, short or mismatched object truncates what counts as loaded to the tokens before it,
 which the scheduler then recomputes (or fails, by policy).
 Integrity (kvstore/integrity.py): the sender puts every object with its checksum (keyed BLAKE3

@@ -78,7 +78,7 @@ class Dispatcher:
         self._on_decision = on_decision or _ignore
         self._on_prefill_failure = on_prefill_failure or _ignore
         self._on_migration = on_migration or _ignore
-        self._on_handoff = on_handoff or _ignore2
+        self._on_handoff = on_handoff or (lambda _seconds, _mode: None)
 
     @property
     def pools(self) -> list[WorkerPool]:
@@ -386,6 +386,3 @@ def _ended_by_router(attempt: Attempt) -> Iterator[None]:
 def _ignore(_: object) -> None:
     pass
 
-
-def _ignore2(_: object, __: object) -> None:
-    pass
