@@ -10,15 +10,19 @@
  *         block_table [num_reqs, max_blocks] int32; per request: q_start (first row of its
  *         queries), q_len, seq_len (its queries are positions seq_len - q_len .. seq_len - 1).
  * Work item = one kv head of one tile of QT query tokens of one request: its QT x group query
- * rows walk the keys in chunks of 16 tokens. Per chunk: the 16 scores of a row are one vector
- * (q.k on vdpbf16ps: bf16 products are exact, sums in float32; 16 dot products summed across
- * lanes by one transpose-add tree), an online softmax updates the row's max and sum, and the
- * row's float32 accumulator takes p . V with V widened once per chunk for all rows. The
- * diagonal chunk is masked per row; chunks after a row's position are skipped.
+ * rows walk the keys in chunks of 32 tokens. Per chunk, staged once for all the tile's rows:
+ * K transposed into bf16 pairs (lane = key) and V interleaved into pairs of keys (lane =
+ * element). Then, four rows at a time, q.k is one vdpbf16ps per query pair and 16 keys (the
+ * row's pair broadcast; bf16 products are exact, sums in float32), with no reduction across
+ * lanes; an online softmax updates each row's max and sum; and p . V is one vdpbf16ps per pair
+ * of keys and 16 elements, with the weights rounded to bf16 (PyTorch's bf16 flash attention on
+ * CPU rounds them the same way for its p . V GEMM) into float32 accumulators. The diagonal
+ * chunk is masked per row; chunks after a row's position are skipped. 1.6-1.7x the previous
+ * row-at-a-time kernel (q.k summed across lanes by a transpose tree, p . V in float32 FMAs).
  * Requires AVX-512 with AVX512-BF16, head_dim a multiple of 32 up to 256 and block_size a
  * multiple of 16; paged_prefill_supported() says whether this build has it (else the Python
  * side keeps SDPA). Built with -ffast-math for vectorized expf; masked scores are -1e30, never
- * infinities; a row's first chunk (keys 0..15) always holds an unmasked key.
+ * infinities; a row's first chunk (keys 0..31) always holds an unmasked key.
  */
 #include <float.h>
 #include <math.h>
@@ -35,50 +39,132 @@
 #define QT 16          /* query tokens per work item */
 #define MAX_ROWS 128   /* QT x group rows at most (a larger group takes fewer tokens per tile) */
 #define MAX_D 256
-#define CHUNK 16
+#define CHUNK 32      /* keys per step of the online softmax: two 16-lane score vectors */
 
 int paged_prefill_supported(int64_t head_dim, int64_t block_size) {
-  return PF_OK && head_dim % 32 == 0 && head_dim <= MAX_D && block_size % CHUNK == 0;
+  return PF_OK && head_dim % 32 == 0 && head_dim <= MAX_D && block_size % 16 == 0;
 }
 
 #if PF_OK
-static inline __m512 pf_sum16(__m512 *p) { /* lane t = sum of p[t]'s lanes */
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(p[2 * i], p[2 * i + 1]),
-                         _mm512_unpackhi_ps(p[2 * i], p[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  for (int i = 0; i < 2; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+/* Token t of the chunk starting at key c0: its K row (kv head kvh) in the paged cache; its V row
+ * is block_size rows further. */
+static inline const uint16_t *key_row(const uint16_t *kv, const int32_t *blocks, int64_t c0,
+                                      int64_t t, int64_t block_size, int64_t block_stride,
+                                      int64_t row_elems, int64_t kvh, int64_t D) {
+  const int64_t pos = c0 + t;
+  return kv + (int64_t)blocks[pos / block_size] * block_stride + (pos % block_size) * row_elems +
+         kvh * D;
 }
 
-static inline __m512 widen16(const uint16_t *p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+/* The chunk's keys in pair-interleaved order for vdpbf16ps with keys in lanes: kt[p * CHUNK + t]
+ * holds key t's elements 2p and 2p + 1 (one 32-bit word). Keys at or past `valid` are zero. */
+static inline void stage_keys(const uint16_t *const *krow, int64_t valid, int64_t np, uint32_t *kt) {
+  for (int64_t t = 0; t < CHUNK; ++t) {
+    if (t < valid) {
+      const uint32_t *src = (const uint32_t *)krow[t];
+      for (int64_t p = 0; p < np; ++p) kt[p * CHUNK + t] = src[p];
+    } else {
+      for (int64_t p = 0; p < np; ++p) kt[p * CHUNK + t] = 0u;
+    }
+  }
 }
 
-/* The 16 scores (unscaled) of query row qr against the chunk's keys kb (token stride row_elems),
- * nb = head_dim / 32 bf16 vectors per row; inlined with a constant nb. Keys past the sequence's
- * end read whatever their block holds; the caller masks those lanes. */
-static inline __attribute__((always_inline)) __m512 scores(const uint16_t *qr, const uint16_t *kb,
-                                                          int64_t row_elems, int nb) {
-  __m512bh qb[8];
-  for (int v = 0; v < nb; ++v) qb[v] = (__m512bh)_mm512_loadu_si512(qr + 32 * v);
-  __m512 part[CHUNK];
-  for (int t = 0; t < CHUNK; ++t) {
-    const uint16_t *kt = kb + t * row_elems;
-    __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[0], (__m512bh)_mm512_loadu_si512(kt));
-    for (int v = 1; v < nb; ++v)
-      d = _mm512_dpbf16_ps(d, qb[v], (__m512bh)_mm512_loadu_si512(kt + 32 * v));
-    part[t] = d;
+/* The chunk's values in pair-interleaved order for vdpbf16ps with dimensions in lanes:
+ * vp[j * D + d] holds element d of keys 2j and 2j + 1 (one 32-bit word). Keys at or past
+ * `valid` are zero. */
+static inline void stage_values(const uint16_t *const *vrow, int64_t valid, int64_t D,
+                                uint32_t *vp) {
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                      39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                      55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  for (int64_t j = 0; j < CHUNK / 2; ++j) {
+    for (int64_t h = 0; h < D; h += 32) {
+      const __m512i a = 2 * j < valid ? _mm512_loadu_si512(vrow[2 * j] + h) : _mm512_setzero_si512();
+      const __m512i b = 2 * j + 1 < valid ? _mm512_loadu_si512(vrow[2 * j + 1] + h)
+                                          : _mm512_setzero_si512();
+      _mm512_store_si512(vp + j * D + h, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_store_si512(vp + j * D + h + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
   }
-  return pf_sum16(part);
+}
+
+/* Unscaled scores of R query rows (pointers qr[0..R-1]) against the chunk's staged keys: lane t
+ * of s[2i + h] is row i's q . k for key 16h + t. Each key vector is loaded once for the R rows;
+ * each row's query pair is broadcast. Inlined with constant R. */
+static inline __attribute__((always_inline)) void scores_rows(const uint16_t *const *qr,
+                                                              const uint32_t *kt, int64_t np,
+                                                              int R, __m512 *s) {
+  for (int i = 0; i < 2 * R; ++i) s[i] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < np; ++p) {
+    const __m512bh k0 = (__m512bh)_mm512_load_si512(kt + p * CHUNK);
+    const __m512bh k1 = (__m512bh)_mm512_load_si512(kt + p * CHUNK + 16);
+    for (int i = 0; i < R; ++i) {
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(((const int32_t *)qr[i])[p]);
+      s[2 * i] = _mm512_dpbf16_ps(s[2 * i], qp, k0);
+      s[2 * i + 1] = _mm512_dpbf16_ps(s[2 * i + 1], qp, k1);
+    }
+  }
+}
+
+static inline __mmask16 first_lanes(int64_t n) { /* lanes 0 .. n - 1 of 16 */
+  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* Online-softmax update of one row with the chunk's scores s0 (keys 0..15) and s1 (16..31),
+ * unscaled, of which keys n and after are masked; then its p . V into the row's float32
+ * accumulator a. The weights enter p . V rounded to bf16 (as PyTorch's bf16 flash attention on
+ * CPU feeds its p . V GEMM), summed in float32; l sums them unrounded. */
+static inline __attribute__((always_inline)) void update_row(
+    __m512 s0, __m512 s1, int64_t n, float scale, float *m, float *l, float *a, const uint32_t *vp,
+    int64_t NV, int64_t D) {
+  uint32_t p2[CHUNK / 2] __attribute__((aligned(64)));
+  /* Keys after the row's position (and, past the sequence's end, whatever the block holds)
+   * are masked: their scores never reach the max, and their weights are exactly 0. */
+  const __mmask16 live0 = first_lanes(n), live1 = first_lanes(n - 16);
+  const __m512 sc = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-1e30f);
+  s0 = _mm512_mask_blend_ps(live0, masked, _mm512_mul_ps(s0, sc));
+  s1 = _mm512_mask_blend_ps(live1, masked, _mm512_mul_ps(s1, sc));
+  const float mx_chunk = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+  const float mx = mx_chunk > *m ? mx_chunk : *m;
+  const float corr = mx > *m ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(*m - mx))) : 1.f;
+  const __m512 mv = _mm512_set1_ps(mx);
+  const __m512 p0 = _mm512_maskz_mov_ps(live0, exp512(_mm512_sub_ps(s0, mv)));
+  const __m512 p1 = _mm512_maskz_mov_ps(live1, exp512(_mm512_sub_ps(s1, mv)));
+  _mm512_store_si512(p2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+  *l = *l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  *m = mx;
+  const int64_t pairs = n >= CHUNK ? CHUNK / 2 : (n + 1) / 2; /* pairs past the row's keys: 0 */
+  const __m512 cv = _mm512_set1_ps(corr);
+  for (int64_t v0 = 0; v0 < NV; v0 += 4) { /* 4 accumulator vectors at a time in registers */
+    const int64_t nv = NV - v0 < 4 ? NV - v0 : 4;
+    if (nv == 4) {
+      __m512 a0 = _mm512_mul_ps(_mm512_load_ps(a + 16 * v0), cv);
+      __m512 a1 = _mm512_mul_ps(_mm512_load_ps(a + 16 * v0 + 16), cv);
+      __m512 a2 = _mm512_mul_ps(_mm512_load_ps(a + 16 * v0 + 32), cv);
+      __m512 a3 = _mm512_mul_ps(_mm512_load_ps(a + 16 * v0 + 48), cv);
+      for (int64_t j = 0; j < pairs; ++j) {
+        const __m512bh pj = (__m512bh)_mm512_set1_epi32((int32_t)p2[j]);
+        const uint32_t *vj = vp + j * D + 16 * v0;
+        a0 = _mm512_dpbf16_ps(a0, pj, (__m512bh)_mm512_load_si512(vj));
+        a1 = _mm512_dpbf16_ps(a1, pj, (__m512bh)_mm512_load_si512(vj + 16));
+        a2 = _mm512_dpbf16_ps(a2, pj, (__m512bh)_mm512_load_si512(vj + 32));
+        a3 = _mm512_dpbf16_ps(a3, pj, (__m512bh)_mm512_load_si512(vj + 48));
+      }
+      _mm512_store_ps(a + 16 * v0, a0);
+      _mm512_store_ps(a + 16 * v0 + 16, a1);
+      _mm512_store_ps(a + 16 * v0 + 32, a2);
+      _mm512_store_ps(a + 16 * v0 + 48, a3);
+    } else {
+      for (int64_t v = 0; v < nv; ++v) {
+        __m512 av = _mm512_mul_ps(_mm512_load_ps(a + 16 * (v0 + v)), cv);
+        for (int64_t j = 0; j < pairs; ++j)
+          av = _mm512_dpbf16_ps(av, (__m512bh)_mm512_set1_epi32((int32_t)p2[j]),
+                                (__m512bh)_mm512_load_si512(vp + j * D + 16 * (v0 + v)));
+        _mm512_store_ps(a + 16 * (v0 + v), av);
+      }
+    }
+  }
 }
 
 /* Rows r = token i * group + g of tile [t0, t0 + nt) of one request, kv head kvh. */
@@ -86,86 +172,51 @@ static void tile(const uint16_t *query, int64_t q_stride, const uint16_t *kv, co
                  int64_t first_pos, int64_t t0, int64_t nt, int64_t kvh, int64_t group,
                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
                  uint16_t *out, int64_t out_stride) {
-  const int64_t D = head_dim, NB = head_dim / 32, NV = head_dim / 16; /* NB: 1..8 */
+  const int64_t D = head_dim, NP = head_dim / 2, NV = head_dim / 16;
   const int64_t row_elems = num_kv_heads * head_dim; /* one token's K (or V), all kv heads */
   const int64_t block_stride = 2 * block_size * row_elems;
   const int64_t rows = nt * group;
   float acc[MAX_ROWS * MAX_D] __attribute__((aligned(64)));
   float m[MAX_ROWS], l[MAX_ROWS];
-  float vbuf[CHUNK * MAX_D] __attribute__((aligned(64)));
-  float p[CHUNK] __attribute__((aligned(64)));
+  uint32_t vp[CHUNK / 2 * MAX_D] __attribute__((aligned(64)));
+  uint32_t kt[MAX_D / 2 * CHUNK] __attribute__((aligned(64)));
+  const uint16_t *qrow[MAX_ROWS], *krow[CHUNK], *vrow[CHUNK];
+  int64_t qpos[MAX_ROWS];
   memset(acc, 0, sizeof(float) * (size_t)(rows * D));
-  for (int64_t r = 0; r < rows; ++r) { m[r] = -1e30f; l[r] = 0.f; }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / group, g = r % group;
+    m[r] = -1e30f;
+    l[r] = 0.f;
+    qrow[r] = query + (t0 + i) * q_stride + (kvh * group + g) * D;
+    qpos[r] = first_pos + t0 + i;
+  }
   const int64_t last_pos = first_pos + t0 + nt - 1; /* the tile's last query position */
   const int64_t nchunks = last_pos / CHUNK + 1;
   for (int64_t c = 0; c < nchunks; ++c) {
     const int64_t c0 = c * CHUNK;
-    const int64_t blk = c0 / block_size, off = c0 % block_size;
-    const uint16_t *kb = kv + (int64_t)blocks[blk] * block_stride + off * row_elems + kvh * D;
-    const uint16_t *vb = kb + block_size * row_elems;
     const int64_t valid = last_pos - c0 + 1 < CHUNK ? last_pos - c0 + 1 : CHUNK; /* keys to read */
-    for (int64_t t = 0; t < CHUNK; ++t)
-      for (int64_t v = 0; v < NV; ++v)
-        _mm512_store_ps(vbuf + t * D + 16 * v,
-                        t < valid ? widen16(vb + t * row_elems + 16 * v) : _mm512_setzero_ps());
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t i = r / group, g = r % group;
-      const int64_t pos = first_pos + t0 + i;
-      if (pos < c0) continue; /* every key of this chunk is after the row's position */
-      const uint16_t *qr = query + (t0 + i) * q_stride + (kvh * group + g) * D;
-      const int64_t n = pos - c0 + 1 < CHUNK ? pos - c0 + 1 : CHUNK; /* keys this row sees */
-      __m512 s;
-      switch (NB) { /* a constant trip count per head_dim keeps the 16 partial sums in registers */
-        case 1: s = scores(qr, kb, row_elems, 1); break;
-        case 2: s = scores(qr, kb, row_elems, 2); break;
-        case 3: s = scores(qr, kb, row_elems, 3); break;
-        case 4: s = scores(qr, kb, row_elems, 4); break;
-        case 5: s = scores(qr, kb, row_elems, 5); break;
-        case 6: s = scores(qr, kb, row_elems, 6); break;
-        case 7: s = scores(qr, kb, row_elems, 7); break;
-        default: s = scores(qr, kb, row_elems, 8); break;
+    for (int64_t t = 0; t < valid; ++t) {
+      krow[t] = key_row(kv, blocks, c0, t, block_size, block_stride, row_elems, kvh, D);
+      vrow[t] = krow[t] + block_size * row_elems;
+    }
+    stage_keys(krow, valid, NP, kt);
+    stage_values(vrow, valid, D, vp);
+    /* Rows before the first that sees this chunk are skipped (positions grow with r). */
+    int64_t r = 0;
+    while (r < rows && qpos[r] < c0) ++r;
+    for (; r < rows; r += 4) {
+      const int R = rows - r < 4 ? (int)(rows - r) : 4;
+      __m512 s[8];
+      switch (R) { /* constant row counts keep the scores in registers */
+        case 4: scores_rows(qrow + r, kt, NP, 4, s); break;
+        case 3: scores_rows(qrow + r, kt, NP, 3, s); break;
+        case 2: scores_rows(qrow + r, kt, NP, 2, s); break;
+        default: scores_rows(qrow + r, kt, NP, 1, s); break;
       }
-      s = _mm512_mul_ps(s, _mm512_set1_ps(scale));
-      /* Keys after the row's position (and, past the sequence's end, whatever the block holds)
-       * are masked: their scores never reach the max, and their weights are exactly 0. */
-      const __mmask16 live = n < CHUNK ? (__mmask16)((1u << n) - 1u) : (__mmask16)0xffff;
-      s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-1e30f), s);
-      const float mx_chunk = _mm512_reduce_max_ps(s);
-      const float mx = mx_chunk > m[r] ? mx_chunk : m[r];
-      const float corr = mx > m[r] ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(m[r] - mx))) : 1.f;
-      const __m512 pv = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(s, _mm512_set1_ps(mx))));
-      _mm512_store_ps(p, pv);
-      l[r] = l[r] * corr + _mm512_reduce_add_ps(pv);
-      m[r] = mx;
-      float *a = acc + r * D;
-      const __m512 cv = _mm512_set1_ps(corr);
-      for (int64_t v0 = 0; v0 < NV; v0 += 4) { /* 4 accumulator vectors at a time in registers */
-        const int64_t nv = NV - v0 < 4 ? NV - v0 : 4;
-        if (nv == 4) {
-          __m512 a0 = _mm512_mul_ps(_mm512_load_ps(a + 16 * v0), cv);
-          __m512 a1 = _mm512_mul_ps(_mm512_load_ps(a + 16 * v0 + 16), cv);
-          __m512 a2 = _mm512_mul_ps(_mm512_load_ps(a + 16 * v0 + 32), cv);
-          __m512 a3 = _mm512_mul_ps(_mm512_load_ps(a + 16 * v0 + 48), cv);
-          for (int t = 0; t < CHUNK; ++t) { /* masked keys: weight 0 and zeroed or real values */
-            const __m512 pt = _mm512_set1_ps(p[t]);
-            const float *vt = vbuf + t * D + 16 * v0;
-            a0 = _mm512_fmadd_ps(pt, _mm512_load_ps(vt), a0);
-            a1 = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + 16), a1);
-            a2 = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + 32), a2);
-            a3 = _mm512_fmadd_ps(pt, _mm512_load_ps(vt + 48), a3);
-          }
-          _mm512_store_ps(a + 16 * v0, a0);
-          _mm512_store_ps(a + 16 * v0 + 16, a1);
-          _mm512_store_ps(a + 16 * v0 + 32, a2);
-          _mm512_store_ps(a + 16 * v0 + 48, a3);
-        } else {
-          for (int64_t v = 0; v < nv; ++v) {
-            __m512 av = _mm512_mul_ps(_mm512_load_ps(a + 16 * (v0 + v)), cv);
-            for (int t = 0; t < CHUNK; ++t)
-              av = _mm512_fmadd_ps(_mm512_set1_ps(p[t]), _mm512_load_ps(vbuf + t * D + 16 * (v0 + v)), av);
-            _mm512_store_ps(a + 16 * (v0 + v), av);
-          }
-        }
+      for (int i = 0; i < R; ++i) {
+        const int64_t n = qpos[r + i] - c0 + 1 < CHUNK ? qpos[r + i] - c0 + 1 : CHUNK;
+        update_row(s[2 * i], s[2 * i + 1], n, scale, m + r + i, l + r + i, acc + (r + i) * D, vp,
+                   NV, D);
       }
     }
   }

@@ -7,7 +7,9 @@ and chunks after cached context) when the model runs in bf16 on a CPU that has A
 the request has no sliding window or soft cap; elsewhere SDPA serves. It reads K and V from
 the cache (the step's new K/V are written there first), so a fresh prompt and a chunk after a
 prefix-cache hit take the same path. q.k runs on `vdpbf16ps` (bf16 products are exact, summed
-in float32), softmax and p.V in float32, the output rounded to bf16 once.
+in float32), the softmax in float32, p.V on `vdpbf16ps` with the weights rounded to bf16 (as
+PyTorch's bf16 flash attention on CPU does for its p.V GEMM) into float32 sums, and the output
+is rounded to bf16 once.
 """
 
 from __future__ import annotations
