@@ -7,7 +7,7 @@ export OMP_NUM_THREADS ?= 2
 # Test processes of `make test`: each takes whole modules (their fixtures stay shared); two keep
 # a 2-core machine busy while the other waits on a worker's start-up or a fault's timer.
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 .PHONY: setup lock lock-upgrade lock-check system-deps peers peers-vllm peers-llamacpp run demo model test test-all test-compose lint typecheck bench bench-prefix bench-kvstore bench-kvstore-cluster bench-connector bench-structured bench-multihost clean
 

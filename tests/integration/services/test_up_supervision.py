@@ -150,6 +150,7 @@ def test_requests_sent_while_the_router_restarts_wait_for_it_instead_of_failing(
     assert "router (pid" in up.stderr() and "exited with signal SIGKILL; restarting it" in up.stderr()
 
 
+@pytest.mark.slow  # ~50 s (8 s of load delay, a 6 s watch, a full up/stop): keeps make test < 15 min
 def test_a_slow_model_load_does_not_get_the_store_killed(tiny_model_dir: Callable[[str], Path],
                                                          tmp_path: Path) -> None:
     """Workers whose engines start 8 s late (the load-delay test hook) with --unresponsive-s 4:
