@@ -10,7 +10,8 @@ Objects are LMCache KV_T2D tensors `[tokens, 2, kv_heads * head_dim]` under
 Loads: a background loader fetches a request's chunks layer by layer and writes them into the
 request's blocks, either while other requests keep running (async: the request waits in
 WAITING_FOR_REMOTE_KVS) or inside the step that computes the request, whose forward waits for
-each layer in turn (layer-wise); the scheduler half picks per load (EngineConfig.kv_load_mode).
+each layer in turn (layer-wise, engine/connector/kv_layerwise.py); the scheduler half picks per
+load (EngineConfig.kv_load_mode).
 An early hand-off's load (LoadSpec.await_s, a decode dispatched beside its prefill) runs while
 the producer is still saving: it takes each object as it appears (engine/connector/kv_await.py),
 until all are in, await_s has passed since the first token came, or the request is aborted.
@@ -39,6 +40,7 @@ import torch
 from engine.connector.base import KVConnectorOutput, KVConnectorWorker
 from engine.connector.kv_await import AwaitingLoads, LoadState
 from engine.connector.kv_copy import WorkerTimings, gather_tokens, scatter_tokens
+from engine.connector.kv_layerwise import LayerwiseLoads
 from engine.connector.kvstore_meta import KVStoreConnectorMetadata, LoadSpec
 from engine.core.outputs import KVTransferStats
 from kvstore import integrity
@@ -62,12 +64,6 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         # A store that failed a call (or a step's wait) is not waited on for this long after:
         # saves go on behind the step, layer-wise loads fail at once (as the client's breaker).
         self.breaker_s = breaker_s
-        # The longest a step's forward waits for its layer-wise loads in all (None: no bound);
-        # past it they count as failed (their requests recompute) and the forward goes on.
-        self.load_wait_s = load_wait_s
-        self._layer_progress = 0.0  # when this step's last layer arrived (or its loads started)
-        self._layers_done = 0
-        self._apply_lock = threading.Lock()
         self._store_failed_at = -1e9  # the last send or load the store failed (monotonic)
         # kvstore.integrity.load_key() (the factory passes it); None: plain BLAKE3 checksums
         self.integrity_key = integrity_key
@@ -92,13 +88,11 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._sender = threading.Thread(target=self._send_loop, name="kv-sender", daemon=True)
         self._sender.start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-loader")
-        self._layer_loader = ThreadPoolExecutor(1, thread_name_prefix="kv-layer-loader")
-        self._layer_client = make_client()
         self._loads: dict[str, tuple[LoadSpec, Future[tuple[int, str | None]]]] = {}
         self._awaiter = AwaitingLoads(make_client(), self._apply, self._record_load, self._store_failed)
         self._wakeup: Callable[[], None] = _nothing
-        self._layer_events: list[threading.Event] = []
-        self._layerwise: list[tuple[LoadSpec, LoadState]] = []
+        self._layerwise = LayerwiseLoads(make_client(), self._apply, self._chunks, self._record_load,
+                                         self._store_down, self._store_failed, load_wait_s, breaker_s)
 
     def register_kv_caches(self, kv_caches: list[Any], layer_group: list[int] | None = None) -> None:
         self.kv_caches = list(kv_caches)
@@ -204,25 +198,13 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         for req_id in self._meta.hurries:
             self._awaiter.hurry(req_id)
         if layerwise:
-            self._start_layerwise(layerwise)
+            self._layerwise.start(layerwise, len(self.kv_caches))
 
     def wait_for_layer_load(self, layer: int) -> None:
         """Async loads run ahead of scheduling (the request waits in WAITING_FOR_REMOTE_KVS);
-        layer-wise loads of this step make the forward wait here for layer `layer` only, until
-        the step's load_wait_s is spent: then they all count as failed (the scheduler drops what
-        the step computed for their requests and recomputes them) and no later layer waits."""
-        if not self._layer_events:
-            return
-        event = self._layer_events[layer]
-        while self.load_wait_s is not None and not event.is_set():
-            # the bound runs from the last layer that arrived: a slow store that delivers goes on
-            if event.wait(max(0.0, self._layer_progress + self.load_wait_s - time.monotonic())):
-                break
-            if time.monotonic() - self._layer_progress >= self.load_wait_s:
-                self._abandon_layerwise(f"the KV store delivered no layer for {self.load_wait_s:g} s",
-                                        store_failed=self._layers_done == 0)
-                break
-        event.wait()  # set: delivered, failed, or abandoned
+        layer-wise loads of this step make the forward wait here for layer `layer` only
+        (engine/connector/kv_layerwise.py bounds the wait)."""
+        self._layerwise.wait(layer)
 
     def _load(self, spec: LoadSpec) -> tuple[int, str | None]:
         """Loads every layer (one store call for all objects where the store shares memory
@@ -308,86 +290,13 @@ class KVStoreConnectorWorker(KVConnectorWorker):
     def _store_failed(self) -> None:
         self._store_failed_at = time.monotonic()
 
-    # --- layer-wise loads: inside the step, the forward waits for each layer it needs ----------
     def _store_down(self) -> bool:
         """Whether the store failed a call (or a step's wait) within breaker_s."""
         return time.monotonic() - self._store_failed_at < self.breaker_s
 
-    def _abandon_layerwise(self, why: str, store_failed: bool = True) -> None:
-        """This step's layer-wise loads failed; once this returns, nothing the loader still gets
-        is written (the scheduler frees those requests' blocks). `store_failed`: the store
-        delivered nothing, and is not waited on for breaker_s."""
-        logger.warning("%s: %d layer-wise load(s) fail, their requests recompute", why, len(self._layerwise))
-        if store_failed:
-            self._store_failed_at = time.monotonic()
-        with self._apply_lock:  # no write in progress or to come
-            for spec, state in self._layerwise:
-                state.abandoned = True
-                state.valid = spec.start
-                state.error = state.error or why
-        for event in self._layer_events:
-            event.set()
-
-    def _start_layerwise(self, specs: list[LoadSpec]) -> None:
-        events = [threading.Event() for _ in self.kv_caches]
-        states = {spec.req_id: LoadState(spec.end) for spec in specs}
-        self._layer_events = events
-        self._layerwise = [(spec, states[spec.req_id]) for spec in specs]
-        start = time.perf_counter()
-        self._layer_progress, self._layers_done = time.monotonic(), 0
-        if self.load_wait_s is not None and self._store_down():
-            self._abandon_layerwise(f"the KV store failed within {self.breaker_s:g} s")  # no wait again
-            return
-
-        # Layer-major, every spec's chunks per layer: layer l is complete at its last key.
-        plan = [(layer, spec, c) for layer in range(len(events)) for spec in specs
-                for c in self._chunks(spec, layer)]
-        last = {layer: i for i, (layer, _, _) in enumerate(plan)}  # layer l is complete at its
-        # last key (a layer with none, nothing to load, completes with the one before it)
-        per_layer = max(Counter(layer for layer, _, _ in plan).values(), default=1)
-
-        def run() -> None:
-            done = 0  # layers whose event is set
-            try:
-                stream = self._layer_client.get_stream(
-                    [f"{spec.chunk_keys[c]}@{layer}" for layer, spec, c in plan], batch=per_layer)
-                for i, obj in stream:
-                    layer, spec, c = plan[i]
-                    state = states[spec.req_id]
-                    with self._apply_lock:  # an abandoned load writes nothing (its blocks may be reused)
-                        if state.abandoned:
-                            break
-                        if state.valid > spec.start:
-                            self._apply(spec, layer, c, obj, state)
-                    if last.get(layer) == i:
-                        self._layer_progress, self._layers_done = time.monotonic(), layer + 1
-                        for event in events[done:layer + 1]:
-                            event.set()
-                        done = layer + 1
-            except Exception as exc:  # store unreachable: nothing of it counts
-                self._store_failed_at = time.monotonic()
-                for spec in specs:
-                    state = states[spec.req_id]
-                    state.valid = spec.start
-                    state.error = state.error or f"loading from the KV store failed: {exc}"
-            finally:
-                for event in events[done:]:
-                    event.set()
-                for spec in specs:
-                    self._record_load(spec, states[spec.req_id], time.perf_counter() - start)
-
-        self._layer_loader.submit(run)
-
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
-        if self._layer_events:
-            self.wait_for_layer_load(len(self._layer_events) - 1)  # a step without a forward too
-            for spec, state in self._layerwise:
-                out.finished_recving.add(spec.req_id)
-                if state.valid < spec.end or state.error is not None:
-                    out.valid_loaded_tokens[spec.req_id] = max(state.valid, spec.start)
-                    out.load_errors[spec.req_id] = state.error or "incomplete load"
-            self._layer_events, self._layerwise = [], []
+        self._layerwise.collect(out)  # a step without a forward too
         for req_id, (spec, fut) in list(self._loads.items()):
             if not fut.done():
                 continue
@@ -429,7 +338,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._queue.put(None)
         self._sender.join(timeout=10)
         self._loader.shutdown(wait=True)
-        self._layer_loader.shutdown(wait=True)
+        self._layerwise.shutdown()
         self._awaiter.shutdown()
 
 
