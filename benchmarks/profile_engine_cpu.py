@@ -8,8 +8,8 @@ and splits the wall time of its steps into:
 - batch preparation: the runner's inputs, block tables and slot mappings (`_prepare_batch`);
 - forward, by op class, from a wall clock around each part of the model:
   GEMMs (every `linear`: qkv, o, gate_up, down), attention (the backend minus its KV writes:
-  the C paged-decode kernel for decodes, SDPA for prefills in fp32 and the C paged-prefill
-  kernel in bf16), KV cache writes, norms, rotary,
+  the C paged-decode kernel for decodes and the C paged-prefill kernel for prefills, bf16 or
+  fp32, on AVX-512 CPUs), KV cache writes, norms, rotary,
   gated activation, embedding, and the LM head;
 - sampling: the sampler over the LM head's logits;
 - the rest of the step: Python between those (loops, hooks, bookkeeping, output objects).
@@ -199,7 +199,7 @@ def table(args: argparse.Namespace, dtype: str, plain_wall: float, wall: float,
         if name == "lm_head":
             continue
         if name == "attention":
-            row("  attention", note="minus KV writes; bf16: C kernels, fp32: C (decode), SDPA (prefill)",
+            row("  attention", note="minus KV writes; C kernels on AVX-512 (SDPA: windowed, capped prefill)",
                 value=lambda k: max(0.0, get(k, "attention") - get(k, "kv_write")))
         else:
             row(f"  {name}", name, "with the residual adds fused into it" if name == "norm" else "")

@@ -10,10 +10,11 @@ Fast path, per step and layer:
   (Measured on 2 cores, 64 decode requests of 64..700 tokens: one padded batched gather + one
   SDPA call is 3-4x slower than this per-request loop, as the padded gather goes through RAM.)
 
-bf16 on a CPU with AVX512-BF16 (layers without window or cap) takes two C kernels instead:
-decode tokens through kernels/cpu/paged_decode.c, every multi-token request (fresh prompt or
-chunk) through kernels/cpu/paged_prefill.c, both reading K/V from the cache, one call per layer
-each. The paths below serve float32 (the exactness reference), other CPUs and other devices.
+On a CPU with AVX-512 (layers without window or cap) two C kernels serve instead: decode
+tokens through kernels/cpu/paged_decode.c (bf16 or float32 cache), every multi-token request
+(fresh prompt or chunk) through kernels/cpu/paged_prefill.c (bf16 with AVX512-BF16, float32
+with AVX-512F), both reading K/V from the cache, one call per layer each. The paths below serve
+other CPUs, windowed or capped layers and other devices.
 
 Every SDPA call gets 4-D `[1, heads, len, d]` inputs: on CPU, 3-D inputs take the unfused math
 path, measured 4x slower (L=512, 9 heads, d=64, 2 threads).
@@ -140,15 +141,16 @@ class TorchAttentionBackend(AttentionBackend):
         cap: float | None,
     ) -> bool:
         """All multi-token requests (fresh prompts and chunks after cached context) at once
-        through the compiled bf16 prefill kernel, when it applies (bf16 query and cache on a CPU
-        with AVX512-BF16, no window or cap in this layer); returns whether it handled them.
+        through the compiled prefill kernel, when it applies (bf16 query and cache on a CPU with
+        AVX512-BF16, or float32 on one with AVX-512F; no window or cap in this layer); returns
+        whether it handled them.
         Their K/V are in the cache already (written above)."""
         if metadata.max_query_len <= 1:  # a pure decode step: nothing to do, no per-request loop
             return True
         if (window is not None or cap is not None or query.device.type != "cpu"
-                or query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16
+                or query.dtype != kv_cache.dtype
                 or not paged_prefill_kernel.supports(query.shape[1], kv_cache.shape[3],
-                                                     query.shape[2], kv_cache.shape[2])):
+                                                     query.shape[2], kv_cache.shape[2], query.dtype)):
             return False
         starts, q_lens, seq_lens, idx = [], [], [], []
         start = 0

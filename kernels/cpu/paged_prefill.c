@@ -21,16 +21,22 @@
  * row-at-a-time kernel (q.k summed across lanes by a transpose tree, p . V in float32 FMAs).
  * Requires AVX-512 with AVX512-BF16, head_dim a multiple of 32 up to 256 and block_size a
  * multiple of 16; paged_prefill_supported() says whether this build has it (else the Python
- * side keeps SDPA). Built with -ffast-math for vectorized expf; masked scores are -1e30, never
+ * side keeps SDPA). float32 models take paged_prefill_f32.h's tile (AVX-512F, head_dim a
+ * multiple of 16), same work items. Built with -ffast-math for vectorized expf; masked scores are -1e30, never
  * infinities; a row's first chunk (keys 0..31) always holds an unmasked key.
  */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#ifdef __AVX512F__
 #include <immintrin.h>
 #include "simd_math.h"
+#define PF_F32_OK 1
+#else
+#define PF_F32_OK 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define PF_OK 1
 #else
 #define PF_OK 0
@@ -41,9 +47,18 @@
 #define MAX_D 256
 #define CHUNK 32      /* keys per step of the online softmax: two 16-lane score vectors */
 
-int paged_prefill_supported(int64_t head_dim, int64_t block_size) {
+/* f32 = 1: the float32 tile (AVX-512F, head_dim a multiple of 16); else the bf16 one. */
+int paged_prefill_supported(int64_t head_dim, int64_t block_size, int f32) {
+  if (f32) return PF_F32_OK && head_dim % 16 == 0 && head_dim <= MAX_D && block_size >= 1;
   return PF_OK && head_dim % 32 == 0 && head_dim <= MAX_D && block_size % 16 == 0;
 }
+
+#if PF_F32_OK
+static inline __mmask16 first_lanes(int64_t n) { /* lanes 0 .. n - 1 of 16 */
+  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+#include "paged_prefill_f32.h"
+#endif
 
 #if PF_OK
 /* Token t of the chunk starting at key c0: its K row (kv head kvh) in the paged cache; its V row
@@ -105,10 +120,6 @@ static inline __attribute__((always_inline)) void scores_rows(const uint16_t *co
       s[2 * i + 1] = _mm512_dpbf16_ps(s[2 * i + 1], qp, k1);
     }
   }
-}
-
-static inline __mmask16 first_lanes(int64_t n) { /* lanes 0 .. n - 1 of 16 */
-  return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
 /* Online-softmax update of one row with the chunk's scores s0 (keys 0..15) and s1 (16..31),
@@ -233,14 +244,14 @@ static void tile(const uint16_t *query, int64_t q_stride, const uint16_t *kv, co
 
 /* Returns 0, or 2 when this build or these sizes are not supported (check first). Request k
  * uses row k of block_table; its queries are rows q_start[k] .. q_start[k] + q_len[k] - 1 of
- * query and out. */
-int paged_prefill(const uint16_t *query, int64_t q_stride, const uint16_t *kv_cache,
+ * query and out. f32 = 1: query, cache and out are float32, else bf16. */
+int paged_prefill(const void *query, int64_t q_stride, const void *kv_cache,
                   const int32_t *block_table, int64_t max_blocks, const int64_t *q_start,
-                  const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, uint16_t *out,
+                  const int64_t *q_len, const int64_t *seq_len, int64_t num_reqs, void *out,
                   int64_t out_stride, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                  int64_t block_size, float scale, int num_threads) {
-  if (!paged_prefill_supported(head_dim, block_size)) return 2;
-#if PF_OK
+                  int64_t block_size, float scale, int num_threads, int f32) {
+  if (!paged_prefill_supported(head_dim, block_size, f32)) return 2;
+#if PF_F32_OK
   const int64_t group = num_heads / num_kv_heads;
   if (group > MAX_ROWS) return 2;
   const int64_t qt = group * QT <= MAX_ROWS ? QT : MAX_ROWS / group;
@@ -259,9 +270,17 @@ int paged_prefill(const uint16_t *query, int64_t q_stride, const uint16_t *kv_ca
     const int64_t tile_id = tiles - 1 - rest / num_kv_heads, kvh = rest % num_kv_heads;
     const int64_t t0 = tile_id * qt;
     const int64_t nt = q_len[k] - t0 < qt ? q_len[k] - t0 : qt;
-    tile(query + q_start[k] * q_stride, q_stride, kv_cache, block_table + k * max_blocks,
-         seq_len[k] - q_len[k], t0, nt, kvh, group, num_kv_heads, head_dim, block_size, scale,
-         out + q_start[k] * out_stride, out_stride);
+    const int64_t first_pos = seq_len[k] - q_len[k];
+    if (f32)
+      tile_f32((const float *)query + q_start[k] * q_stride, q_stride, (const float *)kv_cache,
+               block_table + k * max_blocks, first_pos, t0, nt, kvh, group, num_kv_heads, head_dim,
+               block_size, scale, (float *)out + q_start[k] * out_stride, out_stride);
+#if PF_OK
+    else
+      tile((const uint16_t *)query + q_start[k] * q_stride, q_stride, (const uint16_t *)kv_cache,
+           block_table + k * max_blocks, first_pos, t0, nt, kvh, group, num_kv_heads, head_dim,
+           block_size, scale, (uint16_t *)out + q_start[k] * out_stride, out_stride);
+#endif
   }
   return 0;
 #else

@@ -1,15 +1,16 @@
-"""CPU causal prefill attention over the paged KV cache for bfloat16 models: a C kernel
-(paged_prefill.c, AVX-512 + AVX512-BF16) built once and called through ctypes, next to its
-plain-PyTorch reference.
+"""CPU causal prefill attention over the paged KV cache for bfloat16 and float32 models: a C
+kernel (paged_prefill.c; AVX-512 + AVX512-BF16 for bf16, AVX-512F for float32) built once and
+called through ctypes, next to its plain-PyTorch reference.
 
 Used by the PyTorch attention backend for every multi-token request of a step (fresh prompts
-and chunks after cached context) when the model runs in bf16 on a CPU that has AVX512-BF16 and
-the request has no sliding window or soft cap; elsewhere SDPA serves. It reads K and V from
+and chunks after cached context) when the CPU has what the model's dtype needs and the layer
+has no sliding window or soft cap; elsewhere SDPA serves. It reads K and V from
 the cache (the step's new K/V are written there first), so a fresh prompt and a chunk after a
 prefix-cache hit take the same path. q.k runs on `vdpbf16ps` (bf16 products are exact, summed
 in float32), the softmax in float32, p.V on `vdpbf16ps` with the weights rounded to bf16 (as
 PyTorch's bf16 flash attention on CPU does for its p.V GEMM) into float32 sums, and the output
-is rounded to bf16 once.
+is rounded to bf16 once. float32 (paged_prefill_f32.h) computes every step in float32: the same
+result as the reference up to the order of float32 additions.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kernels.cpu.build import ptr as _ptr
 
 _SOURCE = Path(__file__).with_name("paged_prefill.c")
 MAX_GROUP = 128  # query heads per kv head the kernel's tile buffers hold
+DTYPES = (torch.bfloat16, torch.float32)  # query, cache and out all of one of these
 
 
 def paged_prefill_reference(
@@ -58,32 +60,37 @@ def available() -> bool:
     return _load() is not None
 
 
-def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel takes these sizes on this CPU (AVX512-BF16, head_dim a multiple of 32
-    up to 256, block_size a multiple of 16)."""
+def supports(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+             dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether the kernel takes these sizes on this CPU: bf16 needs AVX512-BF16, head_dim a
+    multiple of 32 up to 256 and block_size a multiple of 16; float32 needs AVX-512F and
+    head_dim a multiple of 16 up to 256."""
     lib = _load()
-    return (lib is not None and num_heads // num_kv_heads <= MAX_GROUP
-            and bool(lib.paged_prefill_supported(head_dim, block_size)))
+    return (lib is not None and dtype in DTYPES and num_heads // num_kv_heads <= MAX_GROUP
+            and bool(lib.paged_prefill_supported(head_dim, block_size, int(dtype == torch.float32))))
 
 
 def paged_prefill(
-    query: torch.Tensor,  # [tokens, num_heads, head_dim] bf16, heads contiguous
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim] bf16
+    query: torch.Tensor,  # [tokens, num_heads, head_dim] bf16 or f32, heads contiguous
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim], query's dtype
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int32
     q_start: list[int], q_len: list[int], seq_len: list[int],
     scale: float,
-    out: torch.Tensor,  # [tokens, num_heads, head_dim] bf16; the requests' rows are written
+    out: torch.Tensor,  # [tokens, num_heads, head_dim], query's dtype; the requests' rows are written
 ) -> None:
-    """The compiled kernel; the rows it writes equal `paged_prefill_reference`'s rounded to bf16
-    (up to float32 summation order). Checks inputs first."""
+    """The compiled kernel; the rows it writes equal `paged_prefill_reference`'s (rounded to
+    bf16 for a bf16 model, whose p.V weights are bf16 too; up to float32 summation order).
+    Checks inputs first."""
     lib = _load()
     if lib is None:
         raise RuntimeError("the CPU paged-prefill kernel is not available")
     tokens, num_heads, head_dim = query.shape
     block_size, kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    dtype = query.dtype
     for name, t in (("query", query), ("kv_cache", kv_cache), ("out", out)):
-        if t.dtype != torch.bfloat16 or t.device.type != "cpu":
-            raise ValueError(f"{name} must be bfloat16 on the CPU, got {t.dtype} on {t.device}")
+        if t.dtype not in DTYPES or t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be bfloat16 or float32 (all three alike) on the CPU, "
+                             f"got {t.dtype} on {t.device}")
     if query.stride(2) != 1 or query.stride(1) != head_dim or out.stride(2) != 1 \
             or out.stride(1) != head_dim or out.shape != query.shape:
         raise ValueError("query and out must be [tokens, heads, head_dim] with contiguous heads")
@@ -97,7 +104,7 @@ def paged_prefill(
         if not (1 <= n <= length <= block_table.shape[1] * block_size and start >= 0
                 and start + n <= tokens):
             raise ValueError(f"bad request: q_start {start}, q_len {n}, seq_len {length}")
-    if not supports(num_heads, kv_heads, head_dim, block_size):
+    if not supports(num_heads, kv_heads, head_dim, block_size, dtype):
         raise ValueError(f"sizes the kernel does not take on this CPU: head_dim {head_dim}, "
                          f"block_size {block_size}, {num_heads}/{kv_heads} heads")
     starts = torch.tensor(q_start, dtype=torch.int64)
@@ -106,7 +113,8 @@ def paged_prefill(
     failed = lib.paged_prefill(
         _ptr(query), query.stride(0), _ptr(kv_cache), _ptr(block_table), block_table.shape[1],
         _ptr(starts), _ptr(lens), _ptr(seqs), len(q_len), _ptr(out), out.stride(0), num_heads,
-        kv_heads, head_dim, block_size, ctypes.c_float(scale), torch.get_num_threads())
+        kv_heads, head_dim, block_size, ctypes.c_float(scale), torch.get_num_threads(),
+        int(dtype == torch.float32))
     if failed:
         raise ValueError("paged_prefill: sizes over the kernel's limits")
 
@@ -114,13 +122,14 @@ def paged_prefill(
 def _declare(lib: ctypes.CDLL) -> None:
     i64, vp = ctypes.c_int64, ctypes.c_void_p
     lib.paged_prefill_supported.restype = ctypes.c_int
-    lib.paged_prefill_supported.argtypes = [i64, i64]
+    lib.paged_prefill_supported.argtypes = [i64, i64, ctypes.c_int]
     lib.paged_prefill.restype = ctypes.c_int
     lib.paged_prefill.argtypes = [vp, i64, vp, vp, i64, vp, vp, vp, i64, vp, i64, i64, i64, i64,
-                                  i64, ctypes.c_float, ctypes.c_int]
+                                  i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
 
 
-_LIB = LazyLibrary(_SOURCE, (_SOURCE.with_name("simd_math.h"),), "CPU paged-prefill kernel", _declare)
+_LIB = LazyLibrary(_SOURCE, (_SOURCE.with_name("simd_math.h"), _SOURCE.with_name("paged_prefill_f32.h")),
+                   "CPU paged-prefill kernel", _declare)
 
 
 def _load() -> ctypes.CDLL | None:
