@@ -57,6 +57,28 @@ int paged_prefill_supported(int64_t head_dim, int64_t block_size, int f32) {
 static inline __mmask16 first_lanes(int64_t n) { /* lanes 0 .. n - 1 of 16 */
   return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
+
+/* The online-softmax step of one row over a 32-key chunk, shared by both tiles: scores s0
+ * (keys 0..15) and s1 (16..31), unscaled, of which keys n and after are masked (keys after the
+ * row's position and, past the sequence's end, whatever the block holds: their scores never
+ * reach the max and their weights are exactly 0). Updates the row's max m and sum l; the
+ * weights come back in p0 / p1 and the factor the accumulator is to be scaled by in *corr. */
+static inline __attribute__((always_inline)) void softmax_step(__m512 s0, __m512 s1, int64_t n,
+                                                               float scale, float *m, float *l,
+                                                               __m512 *p0, __m512 *p1, float *corr) {
+  const __mmask16 live0 = first_lanes(n), live1 = first_lanes(n - 16);
+  const __m512 sc = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-1e30f);
+  s0 = _mm512_mask_blend_ps(live0, masked, _mm512_mul_ps(s0, sc));
+  s1 = _mm512_mask_blend_ps(live1, masked, _mm512_mul_ps(s1, sc));
+  const float mx_chunk = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+  const float mx = mx_chunk > *m ? mx_chunk : *m;
+  *corr = mx > *m ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(*m - mx))) : 1.f;
+  const __m512 mv = _mm512_set1_ps(mx);
+  *p0 = _mm512_maskz_mov_ps(live0, exp512(_mm512_sub_ps(s0, mv)));
+  *p1 = _mm512_maskz_mov_ps(live1, exp512(_mm512_sub_ps(s1, mv)));
+  *l = *l * *corr + _mm512_reduce_add_ps(_mm512_add_ps(*p0, *p1));
+  *m = mx;
+}
 #include "paged_prefill_f32.h"
 #endif
 
@@ -122,29 +144,17 @@ static inline __attribute__((always_inline)) void scores_rows(const uint16_t *co
   }
 }
 
-/* Online-softmax update of one row with the chunk's scores s0 (keys 0..15) and s1 (16..31),
- * unscaled, of which keys n and after are masked; then its p . V into the row's float32
- * accumulator a. The weights enter p . V rounded to bf16 (as PyTorch's bf16 flash attention on
- * CPU feeds its p . V GEMM), summed in float32; l sums them unrounded. */
+/* Online-softmax update of one row with the chunk's scores (softmax_step), then its p . V into
+ * the row's float32 accumulator a. The weights enter p . V rounded to bf16 (as PyTorch's bf16
+ * flash attention on CPU feeds its p . V GEMM), summed in float32; l sums them unrounded. */
 static inline __attribute__((always_inline)) void update_row(
     __m512 s0, __m512 s1, int64_t n, float scale, float *m, float *l, float *a, const uint32_t *vp,
     int64_t NV, int64_t D) {
   uint32_t p2[CHUNK / 2] __attribute__((aligned(64)));
-  /* Keys after the row's position (and, past the sequence's end, whatever the block holds)
-   * are masked: their scores never reach the max, and their weights are exactly 0. */
-  const __mmask16 live0 = first_lanes(n), live1 = first_lanes(n - 16);
-  const __m512 sc = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-1e30f);
-  s0 = _mm512_mask_blend_ps(live0, masked, _mm512_mul_ps(s0, sc));
-  s1 = _mm512_mask_blend_ps(live1, masked, _mm512_mul_ps(s1, sc));
-  const float mx_chunk = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-  const float mx = mx_chunk > *m ? mx_chunk : *m;
-  const float corr = mx > *m ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(*m - mx))) : 1.f;
-  const __m512 mv = _mm512_set1_ps(mx);
-  const __m512 p0 = _mm512_maskz_mov_ps(live0, exp512(_mm512_sub_ps(s0, mv)));
-  const __m512 p1 = _mm512_maskz_mov_ps(live1, exp512(_mm512_sub_ps(s1, mv)));
+  __m512 p0, p1;
+  float corr;
+  softmax_step(s0, s1, n, scale, m, l, &p0, &p1, &corr);
   _mm512_store_si512(p2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-  *l = *l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-  *m = mx;
   const int64_t pairs = n >= CHUNK ? CHUNK / 2 : (n + 1) / 2; /* pairs past the row's keys: 0 */
   const __m512 cv = _mm512_set1_ps(corr);
   for (int64_t v0 = 0; v0 < NV; v0 += 4) { /* 4 accumulator vectors at a time in registers */

@@ -30,24 +30,16 @@ static inline __attribute__((always_inline)) void scores_rows_f32(const float *c
   }
 }
 
+/* softmax_step, then p . V in float32 from the V rows in the cache (visible keys only). */
 static inline __attribute__((always_inline)) void update_row_f32(
     __m512 s0, __m512 s1, int64_t n, float scale, float *m, float *l, float *a,
     const float *const *vrow, int64_t NV) {
   float p[CHUNK] __attribute__((aligned(64)));
-  const __mmask16 live0 = first_lanes(n), live1 = first_lanes(n - 16);
-  const __m512 sc = _mm512_set1_ps(scale), masked = _mm512_set1_ps(-1e30f);
-  s0 = _mm512_mask_blend_ps(live0, masked, _mm512_mul_ps(s0, sc));
-  s1 = _mm512_mask_blend_ps(live1, masked, _mm512_mul_ps(s1, sc));
-  const float mx_chunk = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
-  const float mx = mx_chunk > *m ? mx_chunk : *m;
-  const float corr = mx > *m ? _mm512_cvtss_f32(exp512(_mm512_set1_ps(*m - mx))) : 1.f;
-  const __m512 mv = _mm512_set1_ps(mx);
-  const __m512 p0 = _mm512_maskz_mov_ps(live0, exp512(_mm512_sub_ps(s0, mv)));
-  const __m512 p1 = _mm512_maskz_mov_ps(live1, exp512(_mm512_sub_ps(s1, mv)));
+  __m512 p0, p1;
+  float corr;
+  softmax_step(s0, s1, n, scale, m, l, &p0, &p1, &corr);
   _mm512_store_ps(p, p0);
   _mm512_store_ps(p + 16, p1);
-  *l = *l * corr + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-  *m = mx;
   const int64_t keys = n < CHUNK ? n : CHUNK; /* the row's visible keys of this chunk */
   const __m512 cv = _mm512_set1_ps(corr);
   for (int64_t v0 = 0; v0 < NV; v0 += 4) { /* 4 accumulator vectors at a time in registers */
