@@ -57,13 +57,9 @@ static void NAME(const float *q, const void *kv_void, const int32_t *blocks, int
     const KV_T *vb = kb + block_size * row;
     const int64_t n = (j + 1) * block_size <= len ? block_size : len - j * block_size;
     const int64_t t0 = j == j0 ? first - j * block_size : 0;
-    /* The next block into L2 (locality 1): measured 10-20% faster than into L1 (3), than no
-     * prefetch, and than two blocks ahead, on 64 requests x 30 layers of scattered blocks. */
-    if (j + 1 < nblk) {
-      const char *next = (const char *)(kv_cache + (int64_t)blocks[j + 1] * block_stride);
-      const int64_t bytes = block_stride * (int64_t)sizeof(KV_T);
-      for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(next + off, 0, 1);
-    }
+    /* The next block, prefetched into L2 (locality 1) a row at a time below. */
+    const char *next = j + 1 < nblk
+        ? (const char *)(kv_cache + (int64_t)blocks[j + 1] * block_stride) : NULL;
     /* Sub-groups of at most GS query heads that share one kv head. */
     for (int64_t hs = 0; hs < nh;) {
       const int64_t kvh = (h0 + hs) / group;
@@ -72,6 +68,10 @@ static void NAME(const float *q, const void *kv_void, const int32_t *blocks, int
       if (he - hs > GS) he = hs + GS;
       const int64_t ng = he - hs;
       const KV_T *kcol = kb + kvh * D, *vcol = vb + kvh * D;
+      /* Whether this turn prefetches the next block's rows of its kv head (the first sub-group
+       * of the kv head does). */
+      const int prefetch = next != NULL && (hs == 0 || (h0 + hs) % group == 0);
+      const int64_t rb = row * (int64_t)sizeof(KV_T), hb = kvh * D * (int64_t)sizeof(KV_T);
 #if QK_DPBF16
       __m512bh qb[GS][NV / 2];
       for (int64_t g = 0; g < ng; ++g)
@@ -89,6 +89,17 @@ static void NAME(const float *q, const void *kv_void, const int32_t *blocks, int
         __m512 part[GS][16];
         const int64_t tn = n - tb < 16 ? n - tb : 16;
         for (int64_t t = 0; t < 16; ++t) {
+          /* The next block's K and V rows of this kv head into L2, a row per key row read
+           * here: the prefetches spread over the block's work. On 64 requests x 30 layers of
+           * scattered blocks (benchmarks/bench_attention_cpu.py) a step took 24 ms, against
+           * 35 ms with a kv head's rows prefetched at the start of its turn and 41-43 ms with
+           * the whole next block at the block's start (which had beaten no prefetch, prefetch
+           * into L1 and two blocks ahead). */
+          if (prefetch && tb + t < block_size)
+            for (int64_t off = 0; off < D * (int64_t)sizeof(KV_T); off += 64) {
+              __builtin_prefetch(next + hb + (tb + t) * rb + off, 0, 1);
+              __builtin_prefetch(next + block_size * rb + hb + (tb + t) * rb + off, 0, 1);
+            }
           if (t < tn) {
 #if QK_DPBF16
             __m512bh kv[NV / 2];
