@@ -89,17 +89,17 @@ static void NAME(const float *q, const void *kv_void, const int32_t *blocks, int
         __m512 part[GS][16];
         const int64_t tn = n - tb < 16 ? n - tb : 16;
         for (int64_t t = 0; t < 16; ++t) {
-          /* The next block's K and V rows of this kv head into L2, a row per key row read
-           * here: the prefetches spread over the block's work. On 64 requests x 30 layers of
-           * scattered blocks (benchmarks/bench_attention_cpu.py) a step took 24 ms, against
-           * 35 ms with a kv head's rows prefetched at the start of its turn and 41-43 ms with
-           * the whole next block at the block's start (which had beaten no prefetch, prefetch
-           * into L1 and two blocks ahead). */
+          /* The next block's K rows of this kv head into L2, a row per key row read here (and
+           * its V rows a row per value row read below): the prefetches spread over the whole
+           * block's work. On 64 requests x 30 layers of scattered blocks
+           * (benchmarks/bench_attention_cpu.py) a step took 24 ms, against 27.5 ms with K and V
+           * both prefetched in this loop, 35 ms with a kv head's rows prefetched at the start of
+           * its turn and 41-43 ms with the whole next block at the block's start (which had
+           * beaten no prefetch, prefetch into L1 and two blocks ahead; two and three blocks
+           * ahead lost again here: 27-31 ms). */
           if (prefetch && tb + t < block_size)
-            for (int64_t off = 0; off < D * (int64_t)sizeof(KV_T); off += 64) {
+            for (int64_t off = 0; off < D * (int64_t)sizeof(KV_T); off += 64)
               __builtin_prefetch(next + hb + (tb + t) * rb + off, 0, 1);
-              __builtin_prefetch(next + block_size * rb + hb + (tb + t) * rb + off, 0, 1);
-            }
           if (t < tn) {
 #if QK_DPBF16
             __m512bh kv[NV / 2];
@@ -150,6 +150,9 @@ static void NAME(const float *q, const void *kv_void, const int32_t *blocks, int
           av[g][v] = _mm512_mul_ps(_mm512_load_ps(acc + (hs + g) * D + 16 * v), c);
       }
       for (int64_t t = t0; t < n; ++t) {
+        if (prefetch) /* the next block's V row t of this kv head, a row per V row read */
+          for (int64_t off = 0; off < D * (int64_t)sizeof(KV_T); off += 64)
+            __builtin_prefetch(next + block_size * rb + hb + t * rb + off, 0, 1);
         __m512 vv[NV];
         for (int v = 0; v < NV; ++v) vv[v] = LOADV(vcol + t * row + 16 * v);
         for (int64_t g = 0; g < ng; ++g) {
