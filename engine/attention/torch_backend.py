@@ -51,6 +51,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        # What the decode kernel's input checks last passed for: the step's metadata (held, so
+        # its id is not reused), its block table made contiguous, and the query / cache layout.
+        # Every layer of a step shares the metadata, so a step checks once, not once per layer.
+        self._decode_checked: tuple[object, ...] | None = None
+
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -64,6 +70,9 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         window, cap = check_attention_options(sliding_window, logits_soft_cap)
         write_kv(kv_cache, key, value, metadata.slot_mapping)
+        pure = self._pure_decode(query, kv_cache, metadata, scale, window, cap)
+        if pure is not None:
+            return pure
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         decode_done = self._decode_with_kernel(query, kv_cache, metadata, scale, out, window, cap)
         prefill_done = self._prefill_with_kernel(query, kv_cache, metadata, scale, out, window, cap)
@@ -94,8 +103,40 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
 
-    @staticmethod
+    def _pure_decode(
+        self,
+        query: torch.Tensor,  # [num_reqs, num_heads, head_dim]: one token per request
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        window: int | None,
+        cap: float | None,
+    ) -> torch.Tensor | None:
+        """A pure decode step (every request one token) in one kernel call that reads the query
+        as it is (bf16 or float32, token rows with contiguous heads) and returns the output in
+        its dtype, with no per-request Python work; None where the kernel does not apply."""
+        if (metadata.max_query_len != 1 or query.shape[0] != metadata.num_reqs
+                or query.device.type != "cpu" or query.dtype not in paged_decode_kernel.QUERY_DTYPES
+                or kv_cache.dtype not in paged_decode_kernel.KV_DTYPES
+                or not paged_decode_kernel.available()
+                or not paged_decode_kernel.supports(query.shape[1], query.shape[2], kv_cache.shape[2])):
+            return None
+        if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+            query = query.contiguous()
+        layout = (query.shape, query.stride(), query.dtype, kv_cache.shape, kv_cache.dtype,
+                  kv_cache.is_contiguous(), window, cap)
+        checked = self._decode_checked
+        if checked is None or checked[0] is not metadata or checked[2:] != layout:
+            table = metadata.block_table.contiguous()  # once per step, not once per layer
+            paged_decode_kernel.check_inputs(query, kv_cache, table, metadata.seq_lens, window, cap)
+            checked = self._decode_checked = (metadata, table, *layout)
+        step_table = checked[1]
+        assert isinstance(step_table, torch.Tensor)
+        return paged_decode_kernel.paged_decode_checked(query, kv_cache, step_table,
+                                                        metadata.seq_lens, scale, window, cap)
+
     def _decode_with_kernel(
+        self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
@@ -115,11 +156,6 @@ class TorchAttentionBackend(AttentionBackend):
             return False
         decode = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
         if not decode:
-            return True
-        if len(decode) == metadata.num_reqs:  # pure decode: rows are requests
-            out.copy_(paged_decode_kernel.paged_decode(
-                query.float().contiguous(), kv_cache, metadata.block_table.contiguous(),
-                metadata.seq_lens, scale, window, cap))
             return True
         starts = metadata.query_start_loc[:-1].long()
         idx = torch.tensor(decode, dtype=torch.long)

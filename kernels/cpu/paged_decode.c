@@ -157,15 +157,27 @@ static vec_fn vec_body(int64_t head_dim, int kv_bf16) { (void)head_dim; (void)kv
 
 int paged_decode_vectorized(int64_t head_dim, int kv_bf16) { return vec_body(head_dim, kv_bf16) != NULL; }
 
+/* float32 to bfloat16, nearest-even (NaN to the quiet NaN 0x7FC0), as PyTorch rounds. */
+static inline uint16_t f32_to_bf16(float f) {
+  union { float f; uint32_t u; } c;
+  c.f = f;
+  if ((c.u & 0x7fffffffu) > 0x7f800000u) return 0x7FC0;
+  return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+
 /* Returns 0, or 2 when a size is over the MAX_* limits (the Python wrapper checks first).
  * window: sliding window in tokens, 0 = none; softcap: logit soft cap, 0 = none.
- * kv_bf16: 0 = kv_cache holds float32, 1 = bfloat16 (query and out are float32 either way). */
-int paged_decode(const float *query, int64_t q_stride, const void *kv_cache,
-                 const int32_t *block_table, const int32_t *seq_lens, float *out,
+ * kv_bf16: 0 = kv_cache holds float32, 1 = bfloat16.
+ * q_bf16: 0 = query and out are float32, 1 = bfloat16 (strides in elements either way): each
+ * work item widens its query rows into a float32 buffer and rounds its float32 output to bf16
+ * (nearest-even), the same values as widening and rounding around a float32 call, without the
+ * two extra tensors per layer. */
+int paged_decode(const void *query, int64_t q_stride, const void *kv_cache,
+                 const int32_t *block_table, const int32_t *seq_lens, void *out,
                  int64_t out_stride, int64_t num_reqs, int64_t num_heads,
                  int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                  int64_t max_blocks, float scale, int64_t window, float softcap,
-                 int num_threads, int kv_bf16, int use_generic) {
+                 int num_threads, int kv_bf16, int use_generic, int q_bf16) {
   if (num_heads > MAX_HEADS || head_dim > MAX_DIM || block_size > MAX_BLOCK) return 2;
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row = num_kv_heads * head_dim; /* one token's K (or V), all kv heads */
@@ -175,22 +187,34 @@ int paged_decode(const float *query, int64_t q_stride, const void *kv_cache,
   for (int64_t item = 0; item < num_reqs * splits; ++item) {
     const int64_t b = item / splits, c = item % splits;
     const int64_t per = num_heads / splits;
+    /* this item's rows: heads [c * per, (c + 1) * per) of request b, elements [e0, e1) */
+    const int64_t e0 = c * per * head_dim, e1 = (c + 1) * per * head_dim;
+    float qbuf[q_bf16 ? MAX_HEADS * MAX_DIM : 1] __attribute__((aligned(64)));
+    float obuf[q_bf16 ? MAX_HEADS * MAX_DIM : 1] __attribute__((aligned(64)));
+    const float *q = (const float *)query + b * q_stride;
+    float *o = (float *)out + b * out_stride;
+    if (q_bf16) {
+      const uint16_t *qs = (const uint16_t *)query + b * q_stride;
+      for (int64_t i = e0; i < e1; ++i) qbuf[i] = bf16_to_f32(qs[i]);
+      q = qbuf;
+      o = obuf;
+    }
 #ifdef __AVX512F__
     if (vec) {
-      vec(query + b * q_stride, kv_cache, block_table + b * max_blocks, seq_lens[b],
-          out + b * out_stride, c * per, (c + 1) * per, group, row, block_size, scale, window,
-          softcap);
-      continue;
-    }
+      vec(q, kv_cache, block_table + b * max_blocks, seq_lens[b], o, c * per, (c + 1) * per,
+          group, row, block_size, scale, window, softcap);
+    } else
 #endif
     if (kv_bf16)
-      attend_bf16(query + b * q_stride, (const uint16_t *)kv_cache, block_table + b * max_blocks,
-                  seq_lens[b], out + b * out_stride, c * per, (c + 1) * per, group, row, head_dim,
-                  block_size, scale, window, softcap);
+      attend_bf16(q, (const uint16_t *)kv_cache, block_table + b * max_blocks, seq_lens[b], o,
+                  c * per, (c + 1) * per, group, row, head_dim, block_size, scale, window, softcap);
     else
-      attend_f32(query + b * q_stride, (const float *)kv_cache, block_table + b * max_blocks,
-                 seq_lens[b], out + b * out_stride, c * per, (c + 1) * per, group, row, head_dim,
-                 block_size, scale, window, softcap);
+      attend_f32(q, (const float *)kv_cache, block_table + b * max_blocks, seq_lens[b], o,
+                 c * per, (c + 1) * per, group, row, head_dim, block_size, scale, window, softcap);
+    if (q_bf16) {
+      uint16_t *os = (uint16_t *)out + b * out_stride;
+      for (int64_t i = e0; i < e1; ++i) os[i] = f32_to_bf16(obuf[i]);
+    }
   }
   return 0;
 }

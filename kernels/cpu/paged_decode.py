@@ -3,10 +3,12 @@ compiler and called through ctypes, next to its plain-PyTorch reference.
 
 Used by the PyTorch attention backend for decode tokens on the CPU. The KV cache may be float32
 or bfloat16 (read and widened to float32 in the kernel: a bf16 cache halves the bytes a decode
-step reads); the query and the output are float32, and so is all arithmetic, except that with a
-bf16 cache on a CPU with AVX512-BF16 q.k runs on `vdpbf16ps` with the query rounded to bf16 (a
-bf16 model's query is bf16 already, so nothing is lost there; products are exact and summed in
-float32). On AVX-512 CPUs head_dim 16, 32, 64, 128 and 256 take a vectorized body
+step reads); the query and the output are float32 or bfloat16 (a bf16 query is widened in the
+kernel and its output rounded back to bf16, nearest-even: the values of a float32 call between
+`.float()` and `.to(torch.bfloat16)`, without those two tensors); all arithmetic is float32,
+except that with a bf16 cache on a CPU with AVX512-BF16 q.k runs on `vdpbf16ps` with the query
+rounded to bf16 (a bf16 model's query is bf16 already, so nothing is lost there; products are
+exact and summed in float32). On AVX-512 CPUs head_dim 16, 32, 64, 128 and 256 take a vectorized body
 (paged_decode_avx512.h, 1.4-1.9x the portable loop on the default model's shapes, 64 requests);
 `generic=True` forces the portable loop, which the tests compare. Where no C compiler
 is present the backend keeps its pure-PyTorch path: `available()` says which.
@@ -33,6 +35,9 @@ _HEADERS = (Path(__file__).with_name("paged_decode_attend.h"),
 # Sizes the kernel's fixed per-item buffers hold (paged_decode.c MAX_*).
 MAX_HEADS, MAX_HEAD_DIM, MAX_BLOCK_SIZE = 128, 256, 64
 KV_DTYPES = (torch.float32, torch.bfloat16)  # cache element types the kernel reads
+# Query (and output) types: a bf16 query is widened to float32 inside the kernel and the output
+# rounded back to bf16 (nearest-even), the values `paged_decode(q.float(), ...).to(bf16)` gives.
+QUERY_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode_reference(
@@ -84,7 +89,7 @@ def supports(num_heads: int, head_dim: int, block_size: int) -> bool:
 
 
 def paged_decode(
-    query: torch.Tensor,  # [num_reqs, num_heads, head_dim] float32, cpu
+    query: torch.Tensor,  # [num_reqs, num_heads, head_dim] float32 or bf16 (out: the same), cpu
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim] f32 or bf16, cpu
     block_table: torch.Tensor,  # [num_reqs, max_blocks] int32, cpu
     seq_lens: torch.Tensor,  # [num_reqs] int32, cpu
@@ -97,11 +102,19 @@ def paged_decode(
 
     On CPUs with AVX-512 and head_dim 16, 32, 64, 128 or 256 it runs the vectorized body
     (`vectorized()` says whether it would); elsewhere the portable loop."""
-    _check_inputs(query, kv_cache, block_table, seq_lens)
-    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 0):
-        raise ValueError(f"sliding_window must be an int >= 0 (0 = none), got {sliding_window!r}")
-    if logits_soft_cap is not None and not 0.0 <= logits_soft_cap < float("inf"):
-        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 = none), got {logits_soft_cap!r}")
+    check_inputs(query, kv_cache, block_table, seq_lens, sliding_window, logits_soft_cap)
+    return paged_decode_checked(query, kv_cache, block_table, seq_lens, scale, sliding_window,
+                                logits_soft_cap, generic)
+
+
+def paged_decode_checked(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
+    logits_soft_cap: float | None = None, generic: bool = False,
+) -> torch.Tensor:
+    """`paged_decode` without the checks: for a caller that ran `check_inputs` on tensors of
+    the same shapes, dtypes and layout (the attention backend checks a step's block table and
+    lengths once, at its first layer, instead of once per layer)."""
     lib = _load()
     if lib is None:
         raise RuntimeError("the CPU paged-decode kernel could not be built (no C compiler?)")
@@ -112,21 +125,27 @@ def paged_decode(
         _ptr(out), out.stride(0), num_reqs, num_heads, kv_cache.shape[3], head_dim,
         kv_cache.shape[2], block_table.shape[1], ctypes.c_float(scale), int(sliding_window or 0),
         ctypes.c_float(logits_soft_cap or 0.0), torch.get_num_threads(),
-        int(kv_cache.dtype == torch.bfloat16), int(generic))
+        int(kv_cache.dtype == torch.bfloat16), int(generic), int(query.dtype == torch.bfloat16))
     if failed:
         raise ValueError(f"paged_decode: sizes over the kernel's limits (heads <= {MAX_HEADS}, "
                          f"head_dim <= {MAX_HEAD_DIM}, block_size <= {MAX_BLOCK_SIZE})")
     return out
 
 
-def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                  seq_lens: torch.Tensor) -> None:
+def check_inputs(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
+    """Raises ValueError naming what `paged_decode` cannot take."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window < 0):
+        raise ValueError(f"sliding_window must be an int >= 0 (0 = none), got {sliding_window!r}")
+    if logits_soft_cap is not None and not 0.0 <= logits_soft_cap < float("inf"):
+        raise ValueError(f"logits_soft_cap must be finite and >= 0 (0 = none), got {logits_soft_cap!r}")
     for name, t in (("query", query), ("kv_cache", kv_cache), ("block_table", block_table),
                     ("seq_lens", seq_lens)):
         if t.device.type != "cpu":
             raise ValueError(f"{name} must be on the CPU, got {t.device}")
-    if query.dtype != torch.float32 or kv_cache.dtype not in KV_DTYPES:
-        raise ValueError(f"query must be float32 and kv_cache float32 or bfloat16, got "
+    if query.dtype not in QUERY_DTYPES or kv_cache.dtype not in KV_DTYPES:
+        raise ValueError(f"query and kv_cache must be float32 or bfloat16, got "
                          f"{query.dtype} / {kv_cache.dtype}")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
         raise ValueError("block_table and seq_lens must be int32")
@@ -156,7 +175,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_int64,
-        ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
     lib.paged_decode_vectorized.restype = ctypes.c_int
     lib.paged_decode_vectorized.argtypes = [ctypes.c_int64, ctypes.c_int]
 

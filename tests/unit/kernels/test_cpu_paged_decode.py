@@ -151,3 +151,31 @@ def test_the_default_models_shapes_take_the_vectorized_body_on_avx512() -> None:
         pytest.skip("this CPU has no AVX-512: the portable loop serves every shape")
     assert vectorized(64, torch.bfloat16) and vectorized(64, torch.float32)
     assert vectorized(256, torch.bfloat16) and not vectorized(48, torch.float32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [48, 64])
+@pytest.mark.parametrize("window, cap", [(None, None), (37, 20.0)])
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_bfloat16_query_gives_the_float32_calls_output_rounded_to_bfloat16(
+        kv_dtype: torch.dtype, head_dim: int, window: int | None, cap: float | None,
+        threads: int) -> None:
+    """A bf16 query (read in place from strided token rows) and a bf16 output: bit for bit what
+    the float32 call gives between `.float()` and `.to(torch.bfloat16)`, on the vectorized
+    (head_dim 64) and the portable (48) body, whole requests and requests split over kv heads
+    (2 requests on 4 threads)."""
+    lens = [1, 17, 300] if threads == 1 else [23, 300]
+    q, cache, table, seq_lens = make_case(lens, 10, 2, head_dim, 16, seed=head_dim)
+    cache = cache.to(kv_dtype)
+    wide = torch.zeros(len(lens), 3, 10, head_dim, dtype=torch.bfloat16)
+    wide[:, 1] = q.bfloat16()
+    query = wide[:, 1]  # token stride 3 * 10 * head_dim, rows contiguous
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_decode(query, cache, table, seq_lens, head_dim ** -0.5, window, cap)
+        want = paged_decode(query.float(), cache, table, seq_lens, head_dim ** -0.5, window, cap)
+    finally:
+        torch.set_num_threads(previous)
+    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    assert torch.equal(got, want.to(torch.bfloat16))

@@ -131,3 +131,27 @@ def test_bf16_backend_takes_the_cpu_kernels_and_matches_reference(
     assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
     multi = [q_len for q_len in metadata.query_lens_cpu if q_len > 1]
     assert calls == ([multi] if multi else [])
+
+
+def test_a_pure_decode_step_checks_its_inputs_once_and_each_new_step_again() -> None:
+    """Pure decode steps take the kernel with the step's inputs checked at its first layer;
+    the other layers of the step skip the checks, and a new step's metadata is checked again
+    (here: a block table too short for its lengths is refused, not read out of bounds)."""
+    from kernels.cpu import paged_decode
+
+    if not paged_decode.available():
+        pytest.skip("needs a C compiler")
+    backend = TorchAttentionBackend()
+    metadata, num_blocks, _ = _batch(MIXES["pure_decode"], 16, False, seed=3)
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(4, h, 64) for h in (6, 2, 2))
+    caches = [torch.randn(num_blocks, 2, 16, 2, 64) for _ in range(3)]
+    for cache in caches:  # three layers of one step
+        ref_cache = cache.double().clone()
+        ref = reference_paged_attention(q.double(), k.double(), v.double(), ref_cache, metadata, 0.125)
+        assert_close(backend.forward(q, k, v, cache, metadata, 0.125).double(), ref,
+                     atol=1e-5, rtol=1e-5)
+    bad, _, _ = _batch(MIXES["pure_decode"], 16, False, seed=3)
+    bad.block_table = bad.block_table[:, :1]  # covers 16 tokens; a request has 32
+    with pytest.raises(ValueError, match="longer than its block table"):
+        backend.forward(q, k, v, caches[0], bad, 0.125)
