@@ -95,14 +95,18 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.opts.embed_scale, dtype=x.dtype)
         long_tokens = None if self._longrope is None else self._longrope.long_tokens(
             positions, metadata.query_lens_cpu, metadata.seq_lens_cpu, metadata.is_pure_decode)
+        residual: torch.Tensor | None = None  # the stream, with `x` still to be added to it
         for i, layer in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(i)
-            x = layer(positions, x, kv_caches[i],
-                      metadata if layer_metadata is None else layer_metadata[i], long_tokens)
+            x, residual = layer(positions, x, kv_caches[i],
+                                metadata if layer_metadata is None else layer_metadata[i],
+                                long_tokens, residual)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)
+        if residual is None:
+            return self.norm(x)
+        return self.norm.add_and_norm(residual, x)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[n, hidden]` -> float32 logits `[n, vocab_size]` (soft-capped where the model is)."""

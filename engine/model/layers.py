@@ -132,14 +132,26 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [num_tokens]
-        x: torch.Tensor,  # [num_tokens, hidden], the residual stream
+        x: torch.Tensor,  # [num_tokens, hidden]: the stream, or the last layer's MLP output
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         long_tokens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata, long_tokens)
+        residual: torch.Tensor | None = None,  # the stream before `x` is added to it
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(mlp_out, residual)`: the residual stream after this layer is `residual + mlp_out`,
+        left for the next layer's input norm (or the final norm) to add in the same fused call,
+        as vLLM's layers do (one op less per layer; the same sum, rounded the same way).
+        With Gemma's norms the layer adds it itself and returns `(stream, None)`."""
         if not self.gemma_norms:
-            x, normed = self.post_attention_layernorm.add_and_norm(x, attn)
-            return x + self.mlp(normed)
+            if residual is None:
+                residual, normed = x, self.input_layernorm(x)
+            else:
+                residual, normed = self.input_layernorm.add_and_norm(residual, x)
+            attn = self.self_attn(positions, normed, kv_cache, metadata, long_tokens)
+            residual, normed = self.post_attention_layernorm.add_and_norm(residual, attn)
+            return self.mlp(normed), residual
+        if residual is not None:
+            x = residual + x
+        attn = self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata, long_tokens)
         x = x + self.post_attention_layernorm(attn)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
