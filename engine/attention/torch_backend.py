@@ -116,10 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
         as it is (bf16 or float32, token rows with contiguous heads) and returns the output in
         its dtype, with no per-request Python work; None where the kernel does not apply."""
         if (metadata.max_query_len != 1 or query.shape[0] != metadata.num_reqs
-                or query.device.type != "cpu" or query.dtype not in paged_decode_kernel.QUERY_DTYPES
-                or kv_cache.dtype not in paged_decode_kernel.KV_DTYPES
-                or not paged_decode_kernel.available()
-                or not paged_decode_kernel.supports(query.shape[1], query.shape[2], kv_cache.shape[2])):
+                or not _decode_kernel_applies(query, kv_cache)):
             return None
         if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
             query = query.contiguous()
@@ -148,11 +145,8 @@ class TorchAttentionBackend(AttentionBackend):
         """All single-token requests at once through the compiled CPU kernel, when it applies
         (a float32 or bfloat16 cache on the CPU, kernel built); returns whether it handled them.
         The kernel takes the sliding window and the soft cap itself, and computes in float32:
-        a bf16 query is widened for it and its output rounded back to bf16."""
-        if (query.device.type != "cpu" or query.dtype not in paged_decode_kernel.KV_DTYPES
-                or kv_cache.dtype not in paged_decode_kernel.KV_DTYPES
-                or not paged_decode_kernel.available()
-                or not paged_decode_kernel.supports(query.shape[1], query.shape[2], kv_cache.shape[2])):
+        it widens a bf16 query itself and rounds its output back to bf16."""
+        if not _decode_kernel_applies(query, kv_cache):
             return False
         decode = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
         if not decode:
@@ -161,8 +155,8 @@ class TorchAttentionBackend(AttentionBackend):
         idx = torch.tensor(decode, dtype=torch.long)
         rows = starts[idx]
         out[rows] = paged_decode_kernel.paged_decode(
-            query[rows].float().contiguous(), kv_cache, metadata.block_table[idx].contiguous(),
-            metadata.seq_lens[idx].contiguous(), scale, window, cap).to(out.dtype)
+            query[rows], kv_cache, metadata.block_table[idx].contiguous(),
+            metadata.seq_lens[idx].contiguous(), scale, window, cap)
         return True
 
 
@@ -205,6 +199,15 @@ class TorchAttentionBackend(AttentionBackend):
             paged_prefill_kernel.paged_prefill(query, kv_cache, table.contiguous(), starts, q_lens,
                                                seq_lens, scale, out)
         return True
+
+
+def _decode_kernel_applies(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the compiled decode kernel takes this query and cache: CPU tensors of dtypes it
+    reads, sizes within its buffers, the kernel built."""
+    return (query.device.type == "cpu" and query.dtype in paged_decode_kernel.QUERY_DTYPES
+            and kv_cache.dtype in paged_decode_kernel.KV_DTYPES
+            and paged_decode_kernel.available()
+            and paged_decode_kernel.supports(query.shape[1], query.shape[2], kv_cache.shape[2]))
 
 
 def write_kv(
