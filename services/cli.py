@@ -327,6 +327,15 @@ def _add_router(subparsers: Any) -> None:
                    help="split a chat reply's <think>...</think> off its content into reasoning (and "
                         "reasoning_content); deepseek_r1: the reply starts in its reasoning unless the "
                         "prompt closed it (the start tag may be absent)")
+    r = p.add_argument_group("the Responses API's store (store, previous_response_id, "
+                             "GET /v1/responses/{id})")
+    r.add_argument("--enable-responses-store", action="store_true",
+                   help="keep responses sent with store=true in memory, per tenant (default: off, as "
+                        "vLLM's; a request's store=true is then answered with store: false)")
+    r.add_argument("--responses-store-size", type=int, default=1000, metavar="N",
+                   help="the most responses kept; past it the least recently used go (default: %(default)s)")
+    r.add_argument("--responses-store-mb", type=int, default=256, metavar="MB",
+                   help="the most memory their JSON takes (default: %(default)s)")
     p.add_argument("--log-level", default="WARNING")
     p.set_defaults(func=_run_router)
 
@@ -368,6 +377,9 @@ def _run_router(args: argparse.Namespace) -> int:
                               tool_call_parser=args.tool_call_parser,
                               enable_auto_tool_choice=args.enable_auto_tool_choice,
                               reasoning_parser=args.reasoning_parser,
+                              enable_responses_store=args.enable_responses_store,
+                              responses_store_size=args.responses_store_size,
+                              responses_store_mb=args.responses_store_mb,
                               structured_outputs_backend=args.structured_outputs_backend,
                               max_heavy_per_caller=args.max_heavy_per_caller, max_heavy=args.max_heavy,
                               max_pooled_per_caller=args.max_pooled_per_caller, max_pooled=args.max_pooled,

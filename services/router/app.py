@@ -1,4 +1,4 @@
-"""The router's FastAPI app: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+"""The router's FastAPI app: OpenAI `/v1/completions`, `/v1/chat/completions`, `/v1/responses`, `/v1/models`,
 `/health` (readiness), `/livez` (liveness), `/metrics`, the tokenizer and admin APIs.
 
     app = create_app(RouterConfig(model="m", tokenizer="/models/m", max_model_len=4096,
@@ -7,7 +7,8 @@
 The layout of services/router/: `http/` is the HTTP surface (routes, the edge's limits and
 timeouts, the hot path, API keys, liveness, the response writers); `api/` the OpenAI request
 features (the request models, tools, reasoning, structured outputs, chat options, the body's shape);
-`dispatch/` the worker pools, prefix index and calls in flight (prefill -> decode, migration);
+`responses/` the Responses API (run on the chat path); `dispatch/` the worker pools, prefix
+index and calls in flight (prefill -> decode, migration);
 `prepare.py` turns a raw body into prompts and sampling parameters (on the loop or in the
 tokenizer pool), `generation.py` runs a request's samples (`fanout.py`: n, best_of) and
 detokenizes them. Serve the app with `services.router.http.edge.serve`.
@@ -42,6 +43,8 @@ from services.router.http.other_endpoints import endpoints_router
 from services.router.http.tenants import ApiKeyAuth
 from services.router.http.tokens_api import tokens_router
 from services.router.metrics import RouterMetrics
+from services.router.responses.routes import responses_routes
+from services.router.responses.store import ResponseStore
 
 __all__ = ["RouterConfig", "create_app"]
 
@@ -54,6 +57,8 @@ class RouterState:
         self._gen: Generator | None = None
         self.limits = PoolLimits(config)
         self.watch = LoopWatch()
+        self.responses = (ResponseStore(config.responses_store_size, config.responses_store_mb * 2**20)
+                          if config.enable_responses_store else None)
 
     @property
     def gen(self) -> Generator:
@@ -119,9 +124,12 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.include_router(endpoints_router())
     routes, hot = openai_routes(lambda: state.gen, lambda: state.limits)
     app.include_router(routes)
+    responses, responses_hot = responses_routes(lambda: state.gen, lambda: state.limits,
+                                                lambda: state.responses)
+    app.include_router(responses)
     # Added before the API key check, so that check (outside it) still sees every request; the
     # body limit outermost, so no handler ever reads more than max_body_bytes.
-    app.add_middleware(HotPath, handlers=hot)
+    app.add_middleware(HotPath, handlers={**hot, **responses_hot})
     app.add_middleware(ApiKeyAuth, keys=config.api_keys, tenants=config.tenant_cache_salt,
                        admin_keys=config.admin_keys)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)

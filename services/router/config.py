@@ -67,6 +67,11 @@ class RouterConfig:
     # vLLM's --reasoning-parser: a chat's <think>...</think> part goes to the message's reasoning
     # (services/router/api/reasoning.py), the rest is its content (tool calls parsed from it).
     reasoning_parser: str | None = None
+    # The Responses API's store (`store`, `previous_response_id`, GET /v1/responses/{id}): off
+    # unless enabled, as vLLM's; bounded by count and size (services/router/responses/store.py).
+    enable_responses_store: bool = False
+    responses_store_size: int = 1000
+    responses_store_mb: int = 256
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -101,6 +106,8 @@ class RouterConfig:
         if self.chat_template is not None:
             chat_template_text(self.chat_template)  # a missing file fails at start, not per request
         parse_networks(self.worker_networks)
+        if self.responses_store_size < 1 or self.responses_store_mb < 1:
+            raise ValueError("responses_store_size and responses_store_mb must be at least 1")
 
     @property
     def auto_tools(self) -> bool:

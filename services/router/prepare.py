@@ -133,9 +133,14 @@ def prepare_completion(gen: Generator, raw: bytes, large: bool) -> Prepared:
 
 def prepare_chat(gen: Generator, raw: bytes, large: bool) -> Prepared:
     body = parse(ChatCompletionRequest, raw, gen.shape_limits if large else None)
-    config = gen.config
     check_model(gen, body.model)
     log_ignored("chat.completions", body.model_extra)
+    return prepare_chat_body(gen, body)
+
+
+def prepare_chat_body(gen: Generator, body: ChatCompletionRequest) -> Prepared:
+    """A parsed chat request (its model checked) ready to run (the Responses API's too)."""
+    config = gen.config
     tools = tool_plan(body, config.auto_tools,
                       lambda spec: gen.backends.choose(spec, config.structured_outputs_backend),
                       config.tool_call_parser or "hermes")

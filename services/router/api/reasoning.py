@@ -56,6 +56,11 @@ class ThinkSplitter:
         self._started = not reasoning_first  # a <think> inside the reasoning is no longer dropped
         self.reasoned = reasoning_first  # the sample had a reasoning part (possibly empty)
 
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text fed so far ends inside the reasoning part."""
+        return self._state == "reasoning"
+
     def feed(self, text: str) -> list[Piece]:
         self._text += text
         return self._drain(final=False)

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from services.router.errors import OpenAIError
 
 ENDPOINTS = ("/v1/embeddings", "/v1/audio/transcriptions", "/v1/audio/translations",
-             "/v1/audio/speech", "/v1/images/generations", "/v1/moderations", "/v1/responses",
+             "/v1/audio/speech", "/v1/images/generations", "/v1/moderations",
              "/v1/rerank", "/v1/score", "/pooling", "/classify")
 
 
@@ -22,7 +22,8 @@ def endpoints_router() -> APIRouter:
     def refuse(path: str) -> Callable[[], Awaitable[JSONResponse]]:
         async def endpoint() -> JSONResponse:
             return OpenAIError(400, f"{path} is not supported by this server: it serves a generative "
-                                    f"model on /v1/completions and /v1/chat/completions",
+                                    f"model on /v1/completions, /v1/chat/completions and "
+                                    f"/v1/responses",
                                code="unsupported_endpoint").response()
         return endpoint
 

@@ -255,6 +255,13 @@ def _joined(echo: dict[str, Any], generated: dict[str, Any] | None) -> dict[str,
     return {key: echo[key] + generated[key] for key in echo}
 
 
+def delta_logprobs(reply: Reply, delta: Delta) -> list[dict[str, Any]]:
+    """A chat reply's delta's logprobs as chat's `logprobs.content` entries (the Responses API's
+    output_text logprobs have the same form)."""
+    content: list[dict[str, Any]] = _logprobs(reply, delta)["content"]
+    return content
+
+
 def _logprobs(reply: Reply, delta: Delta) -> dict[str, Any]:
     """OpenAI logprobs of the delta's tokens; the first candidate of each position is the sampled token."""
     tok = reply.gen.tokenizer

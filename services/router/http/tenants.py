@@ -60,6 +60,11 @@ def caller(scope: Scope) -> str:
     return f"address {client[0]}" if client else "address unknown"
 
 
+def current_tenant() -> str:
+    """The tenant of the request being handled ("" without tenants: the operator's one)."""
+    return _tenant_salt.get() or ""
+
+
 def request_salt(request_salt: str | None) -> str:
     """`effective_salt` of the request being handled (its tenant from the API key it used)."""
     return effective_salt(_tenant_salt.get(), request_salt)

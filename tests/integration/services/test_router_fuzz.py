@@ -36,6 +36,7 @@ from services.router.api import unsupported
 from services.router.api.structured_fields import StructuredFields
 from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import DispatchOptions
+from services.router.responses import request as responses_request
 from services.worker.server import WorkerRole, WorkerServer
 from tests.integration.services.router_util import ServedRouter
 
@@ -43,8 +44,8 @@ in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
 StartWorker = Callable[[WorkerRole], Awaitable[WorkerServer]]  # the conftest's fixture
 MODEL = "tiny"
-OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
-              ("GET", "/health"), ("POST", "/tokenize"), ("POST", "/detokenize")]
+OPERATIONS = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+              ("GET", "/v1/models"), ("GET", "/health"), ("POST", "/tokenize"), ("POST", "/detokenize")]
 EXAMPLES = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60"))  # per operation and mode
 MAX_NEW_TOKENS, MAX_N = 4, 3
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
@@ -98,6 +99,16 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
                         ("ChatCompletionRequest", unsupported.CHAT)):
         for field in [*table, *StructuredFields.model_fields]:
             spec["components"]["schemas"][name]["properties"][field] = {"type": "null"}
+    # The Responses API: a text input (items: test_responses_api.py), few new tokens, no tools,
+    # none of the refused fields.
+    responses = spec["components"]["schemas"]["ResponsesRequest"]
+    responses["properties"].update({
+        "model": {"type": "string", "enum": [MODEL]}, "input": {"type": "string"},
+        "max_output_tokens": small, "tools": {"type": "null"},
+        "tool_choice": {"anyOf": [{"enum": ["none"]}, {"type": "null"}]},
+        "previous_response_id": {"type": "null"},
+        **{field: {"type": "null"} for field in responses_request.REFUSED}})
+    responses["required"] = [*responses["required"], "max_output_tokens"]
     for path in ("/tokenize", "/detokenize"):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         for member in body.get("anyOf", [body]):
@@ -113,6 +124,10 @@ def assert_openai_reply(status: int, content_type: str, text: str, where: str) -
         error = json.loads(text)["error"]
         assert isinstance(error["message"], str) and error["message"], f"{where}: {text[:500]}"
         assert error["type"] == "invalid_request_error" and {"param", "code"} <= error.keys(), where
+    elif content_type.startswith("text/event-stream") and "/v1/responses" in where:
+        events = [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+        assert events and events[-1]["type"] in ("response.completed", "response.incomplete"), where
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), where
     elif content_type.startswith("text/event-stream"):
         events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
         assert events and events[-1] == "[DONE]", f"{where}: {text[-500:]}"
