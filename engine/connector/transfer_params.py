@@ -13,6 +13,9 @@ from typing import Any
 MAX_TEXT = 512  # transfer_id, kv_store_url
 _FLAGS = ("do_remote_prefill", "do_remote_decode")
 _TEXTS = ("transfer_id", "kv_store_url")
+# A producer's hints for metrics (engine/core/request_stats.py): the client's max_tokens and
+# min_tokens of the sample it computes the first token of.
+_COUNTS = ("sample_max_tokens", "sample_min_tokens")
 
 
 def check_transfer_params(params: Any, num_prompt_tokens: int, chunk_size: int) -> None:
@@ -27,6 +30,11 @@ def check_transfer_params(params: Any, num_prompt_tokens: int, chunk_size: int) 
     for name in _FLAGS:
         if not isinstance(params.get(name, False), bool):
             raise ValueError(f"kv_transfer_params.{name}: must be a bool, got {params[name]!r:.60}")
+    for name in _COUNTS:
+        value = params.get(name, 0)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"kv_transfer_params.{name}: must be a non-negative integer or null, "
+                             f"got {value!r:.60}")
     for name in _TEXTS:
         value = params.get(name, "")
         if not isinstance(value, str) or len(value) > MAX_TEXT:

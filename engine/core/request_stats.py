@@ -11,6 +11,14 @@ comes, cached part included), generated tokens, preemptions. Histograms (`Reques
 - per token after a request's first here: the time since its previous token;
 - per step that produced tokens: the prompt and generated tokens it counted.
 
+Each sample enters the per-sample histograms (generation tokens, `n`, the longest sample) once,
+with its whole length, so they summed over every worker count what clients received: a request
+that continues a sample (a decode half, a migrated sample) counts the outputs it was handed too,
+and the prefill half of a split sample (`do_remote_decode`) counts only when its first token
+ends the sample (the hints `sample_max_tokens` / `sample_min_tokens` of its kv_transfer_params
+say when: the client's max_tokens reached, or EOS / a stop token allowed to stop it); an aborted
+prefill half never counts (the sample goes on elsewhere, or the client left before any token).
+
 Times are the request's `RequestTimes`; vLLM measures queue time from the core's QUEUED event,
 here from the front end's arrival (the hop to the core included). A request carrying
 `do_remote_prefill` continues a prompt another engine computed and counted (a disaggregated
@@ -24,12 +32,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.outputs import RequestHistograms
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 
 
 def continues_remote_prefill(request: Request) -> bool:
     params = request.sampling_params.kv_transfer_params
     return bool(params and params.get("do_remote_prefill"))
+
+
+def sample_goes_on_elsewhere(request: Request) -> bool:
+    """Whether a finished request is the prefill half of a sample that another worker continues
+    (so the sample is counted there, not here)."""
+    params = request.sampling_params.kv_transfer_params
+    if not (params and params.get("do_remote_decode")):
+        return False
+    if request.status == RequestStatus.FINISHED_ABORTED or not request.output_token_ids:
+        return True
+    most = params.get("sample_max_tokens")
+    if most is not None and request.num_output_tokens >= most:
+        return False
+    if request.num_output_tokens < params.get("sample_min_tokens", 0):
+        return True
+    last, sampling = request.output_token_ids[-1], request.sampling_params
+    stops = (not sampling.ignore_eos and last == request.eos_token_id) or last in sampling.stop_token_ids
+    return not stops
 
 
 @dataclass
@@ -73,9 +99,10 @@ class SchedulerCounters:
             h.inference_seconds.observe(t.last_token_time - t.first_scheduled_time)
             if not continues_remote_prefill(request):
                 h.prompt_tokens.observe(request.num_prompt_tokens)
-        h.generation_tokens.observe(t.num_generated_tokens)
-        h.max_num_generation_tokens.observe(t.num_generated_tokens)
-        h.params_n.observe(request.sampling_params.n)
+        if not sample_goes_on_elsewhere(request):
+            h.generation_tokens.observe(request.num_output_tokens)
+            h.max_num_generation_tokens.observe(request.num_output_tokens)
+            h.params_n.observe(request.sampling_params.n)
 
     def end_step(self) -> None:
         if self._step_tokens:

@@ -83,7 +83,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                       ) -> pb.PrefillResponse:
         if self.role != "prefill":
             await _fail(context, grpc.StatusCode.UNIMPLEMENTED, f"a {self.role} worker does not prefill")
-        transfer = {"do_remote_decode": True, "transfer_id": request.transfer_id or request.request_id}
+        # The sample's own limits ride along for metrics: its first token may end it here.
+        transfer = {"do_remote_decode": True, "transfer_id": request.transfer_id or request.request_id,
+                    "sample_max_tokens": request.params.max_tokens or None,
+                    "sample_min_tokens": request.params.min_tokens}
         one_token = pb.SamplingParams()
         one_token.CopyFrom(request.params)
         one_token.max_tokens, one_token.min_tokens = 1, min(one_token.min_tokens, 1)

@@ -3,7 +3,8 @@ the router (real gRPC, real KV store, real HTTP), scraped after traffic. Every v
 dashboard uses is on both workers; every sample of the three carries one `model_name` (the
 served name, not the model's folder), and a `role` and an `instance`; and the sums README.md
 documents count each prompt token once (per sample, as vLLM counts each of a request's `n`
-samples), each generated token once, and the router's per-request `n`."""
+samples), each generated token once, each sample once in the generation-length histogram, and
+the router's per-request `n`."""
 
 from __future__ import annotations
 
@@ -144,6 +145,14 @@ async def test_dashboard_sums_count_each_generated_token_once(split: Scraped) ->
     assert generated == sum(map(sum, split.samples_per_request))
     assert split.total("vllm:generation_tokens_total", WORKERS) == generated
     assert split.total("vllm:request_generation_tokens_sum", WORKERS) == generated
+    # vLLM's "Request Generation Length" panel sums the histogram over every job: each sample
+    # the clients received is one observation there, with its whole length (the prefill worker
+    # counts only the sample its first token ended, max_tokens 1; the decode worker each sample
+    # it continued, the prefill's first token included).
+    assert split.total("vllm:request_generation_tokens_count", WORKERS) == sum(
+        len(tokens) for tokens in split.samples_per_request)
+    assert split.total("vllm:request_generation_tokens_count", role_is("prefill")) == sum(
+        n for _, n, max_tokens in TRAFFIC if max_tokens == 1)
     assert split.total("vllm:generation_tokens_total", ROUTER) == generated
     # Each step counted what it computed: prompts where computed, every generated token.
     prompts = split.total("vllm:prompt_tokens_total", WORKERS)
@@ -163,7 +172,7 @@ async def test_request_histograms_observe_each_engine_request_and_the_router_eac
     assert split.total("vllm:time_per_output_token_seconds_count", role_is("prefill")) == 0
     assert split.total("vllm:time_per_output_token_seconds_count", role_is("decode")) == sum(
         n * (max_tokens - 2) for _, n, max_tokens in TRAFFIC if max_tokens > 1)
-    assert split.total("vllm:request_params_n_sum", WORKERS) == sampled + decoded  # n = 1 each
+    assert split.total("vllm:request_params_n_sum", WORKERS) == sampled  # n = 1 each, once a sample
     assert split.total("vllm:request_params_n_count", ROUTER) == len(TRAFFIC)
     assert split.total("vllm:request_params_n_sum", ROUTER) == sampled
     assert split.total("vllm:request_max_num_generation_tokens_sum", ROUTER) == sum(

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from engine.core.outputs import Histogram, buckets_1_2_5
-from engine.core.request import Request
+from engine.core.request import Request, RequestStatus
 from engine.core.request_stats import SchedulerCounters
 from engine.sampling_params import SamplingParams
 
@@ -86,3 +86,56 @@ def test_a_request_failed_before_its_first_token_gives_only_its_queue_time() -> 
     assert only_value(h.queue_seconds) == 0.5
     assert h.prefill_seconds.count == h.decode_seconds.count == h.prompt_tokens.count == 0
     assert only_value(h.generation_tokens) == 0
+
+
+def test_a_continued_sample_counts_once_with_its_whole_length() -> None:
+    counters = SchedulerCounters.create(max_model_len=512)
+    kv = {"do_remote_prefill": True, "keys": [], "num_tokens": 12}
+    params = SamplingParams(max_tokens=8, ignore_eos=True, kv_transfer_params=kv)
+    # the client's 12-token prompt and the prefill's first token, handed over as a prior output
+    r = Request("r", list(range(100, 113)), params, eos_token_id=0, arrival_time=100.0, num_prior_outputs=1)
+    r.times.first_scheduled_time = 100.5
+    generate(counters, r, at=[101.0, 101.5])
+    h = counters.histograms
+    assert counters.generation_tokens == 2  # the tokens computed here
+    assert only_value(h.generation_tokens) == 3 and only_value(h.max_num_generation_tokens) == 3
+
+
+def _prefill_half(first: int, sample_max: int | None, sample_min: int = 0, ignore_eos: bool = False,
+                  aborted: bool = False) -> SchedulerCounters:
+    """The prefill half of a split sample (max_tokens 1, the client's limits as hints) whose
+    first token is `first` (EOS is 0, stop token 5)."""
+    counters = SchedulerCounters.create(max_model_len=512)
+    kv = {"do_remote_decode": True, "transfer_id": "t", "sample_max_tokens": sample_max,
+          "sample_min_tokens": sample_min}
+    params = SamplingParams(max_tokens=1, min_tokens=min(sample_min, 1), ignore_eos=ignore_eos,
+                            stop_token_ids=[5], kv_transfer_params=kv)
+    r = Request("r", list(range(100, 112)), params, eos_token_id=0, arrival_time=100.0)
+    r.times.first_scheduled_time = 100.5
+    if aborted:
+        r.status = RequestStatus.FINISHED_ABORTED
+        counters.on_finished(r)
+        return counters
+    counters.on_tokens(r, 1, 101.0)
+    r.append_output_token_ids([first])
+    counters.on_finished(r)
+    return counters
+
+
+def test_a_prefill_half_counts_its_sample_only_when_its_first_token_ends_it() -> None:
+    def counted(c: SchedulerCounters) -> int:
+        h = c.histograms
+        assert h.generation_tokens.count == h.max_num_generation_tokens.count == h.params_n.count
+        return h.generation_tokens.count
+
+    assert counted(_prefill_half(first=9, sample_max=16)) == 0  # the decode worker goes on
+    assert counted(_prefill_half(first=9, sample_max=None)) == 0  # no limit: goes on
+    assert counted(_prefill_half(first=9, sample_max=1)) == 1  # max_tokens 1: it ends here
+    assert counted(_prefill_half(first=0, sample_max=16)) == 1  # EOS
+    assert counted(_prefill_half(first=5, sample_max=16)) == 1  # a stop token
+    assert counted(_prefill_half(first=0, sample_max=16, ignore_eos=True)) == 0
+    assert counted(_prefill_half(first=0, sample_max=16, sample_min=3)) == 0  # EOS may not stop it yet
+    assert counted(_prefill_half(first=9, sample_max=16, aborted=True)) == 0
+    assert only_value(_prefill_half(first=9, sample_max=1).histograms.generation_tokens) == 1
+    # its times and prompt still count on the prefill worker
+    assert _prefill_half(first=9, sample_max=16).histograms.prompt_tokens.count == 1
