@@ -263,5 +263,7 @@ def run_kvstore(args: argparse.Namespace) -> int:
     stopper.join(timeout=15)
     if stopper.is_alive():
         logger.warning("kvstore: shutdown did not finish in 15 s; exiting anyway")
+        print(f"kvstore: stopped ({service.location})", flush=True)
         os._exit(0)
+    print(f"kvstore: stopped ({service.location})", flush=True)
     return 0

@@ -405,6 +405,7 @@ def _run_router(args: argparse.Namespace) -> int:
     finally:
         if liveness is not None:
             liveness.stop()
+    print(f"pdserve router stopped ({args.host}:{args.port})", flush=True)
     return 0
 
 
@@ -439,10 +440,26 @@ SUBCOMMANDS: list[Callable[[Any], None]] = [_add_generate, _add_kvstore, _add_wo
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="pdserve: disaggregated "
                                      "prefill/decode LLM serving")
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="print pdserve's version (and torch's, Python's) and exit")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser
+
+
+def version_text() -> str:
+    """`pdserve --version`: the installed package's version, with torch's and Python's."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"pdserve {of('pdserve')} (torch {of('torch')}, Python {platform.python_version()})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -460,6 +477,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handler is in place (loading...)
+        print(f"pdserve {args.command}: interrupted", file=sys.stderr)
+        return 130
     return code
 
 

@@ -145,14 +145,20 @@ class Supervisor:
 
     def _spawn(self, spec: ChildSpec) -> tuple[subprocess.Popen[bytes], str, float]:
         instance = new_instance_id()
+        # A process group of its own: a terminal's Ctrl-C reaches the supervisor only, which
+        # stops the children in order (the router before the workers it calls).
         proc = spawn(list(spec.argv), env=spec.env, cpus=set(spec.cpus) if spec.cpus else None,
-                     instance=instance, pass_fds=spec.pass_fds)
+                     instance=instance, pass_fds=spec.pass_fds, process_group=0)
         return proc, instance, time.monotonic()
 
-    def wait_ready(self, name: str, deadline: float, poll_s: float = 0.2) -> None:
-        """Blocks until the child serves; RuntimeError when it exits first or `deadline` passes."""
+    def wait_ready(self, name: str, deadline: float, poll_s: float = 0.2,
+                   stop: threading.Event | None = None) -> None:
+        """Blocks until the child serves; RuntimeError when it exits first, `deadline` passes or
+        `stop` is set (Ctrl-C while starting)."""
         child = self._get(name)
         while not child.spec.ready(child.instance):
+            if stop is not None and stop.is_set():
+                raise RuntimeError(f"interrupted while {name} was starting")
             code = child.proc.poll()
             if code is not None:
                 raise RuntimeError(f"{name} exited with {describe_exit(code)} while starting")

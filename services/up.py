@@ -43,27 +43,45 @@ from services.secrets import DeploymentSecrets, component_env, ensure_secrets
 from services.supervisor import ChildSpec, FatalChildError, RestartPolicy, Supervisor
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the help says it (a None default must)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if action.nargs == 0:  # a switch
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return f"{text} (default: %(default)s)"
+
+
 def add_up_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("up", help="start the KV store, workers and router locally")
+    p = subparsers.add_parser("up", help="start the KV store, workers and router locally",
+                              formatter_class=DefaultsHelp)
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="a catalog model (default %(default)s; gemma-3-270m), a local .gguf file, a "
                         "local Hugging Face folder or a hub id (docs/models.md)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode (or colocated) workers")
+    p.add_argument("--prefill", type=int, default=1,
+                   help="prefill workers (with --autoscale: the fewest)")
+    p.add_argument("--decode", type=int, default=1,
+                   help="decode (or, with --colocated, colocated) workers (with --autoscale: the fewest)")
     p.add_argument("--colocated", action="store_true",
                    help="workers prefill and decode themselves (no KV transfer)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="the address every component listens on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="router HTTP port")
-    p.add_argument("--kvstore-port", type=int, default=50071)
+    p.add_argument("--kvstore-port", type=int, default=50071, help="the KV store's gRPC port")
     p.add_argument("--prefill-port", type=int, default=50051, help="first prefill worker's port")
     p.add_argument("--decode-port", type=int, default=50061, help="first decode worker's port")
-    p.add_argument("--kvstore-capacity", default="4GiB")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads per worker")
+    p.add_argument("--kvstore-capacity", default="4GiB", help="the KV store's memory")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per worker (default: torch's, one per CPU the worker may use)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="each worker's KV cache (default on the CPU: PDSERVE_CPU_KVCACHE_SPACE GiB "
                         "when set, else half the memory free at start divided among the workers "
                         "up starts, the autoscaler's maxima included)")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest prompt + output (default: the model's context length)")
     p.add_argument("--prefill-max-num-batched-tokens", type=int, default=None, metavar="N",
                    help="prefill workers' step budget (default: the worker's)")
     p.add_argument("--prefill-scheduling-policy", default=None, choices=["fcfs", "priority", "sjf"],
@@ -81,14 +99,17 @@ def add_up_parser(subparsers: Any) -> None:
                    help="each worker serves Prometheus /metrics on its gRPC port + this (0 = off); "
                         "the router's is at /metrics")
     p.add_argument("--prefill-cpus", default=None, metavar="LIST",
-                   help="pin prefill workers (and their engine cores) to these CPUs, e.g. 0 or 0-1")
+                   help="pin prefill workers (and their engine cores) to these CPUs, e.g. 0 or 0-1 "
+                        "(default: unpinned)")
     p.add_argument("--decode-cpus", default=None, metavar="LIST",
-                   help="pin decode (or colocated) workers to these CPUs")
+                   help="pin decode (or colocated) workers to these CPUs (default: unpinned)")
     p.add_argument("--kvstore-cpus", default=None, metavar="LIST",
                    help="pin the KV store to these CPUs (default: unpinned)")
     p.add_argument("--router-cpus", default=None, metavar="LIST",
                    help="pin the router to these CPUs (default: unpinned)")
-    p.add_argument("--policy", choices=["prefix_aware", "least_loaded"], default="prefix_aware")
+    p.add_argument("--policy", choices=["prefix_aware", "least_loaded"], default="prefix_aware",
+                   help="how the router picks a worker of a pool: the one holding the longest cached "
+                        "prefix of the prompt (spread by load), or the least loaded")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts with at most this many uncached tokens skip the prefill pool")
     p.add_argument("--handoff", choices=["early", "after-prefill"], default="early",
@@ -97,7 +118,7 @@ def add_up_parser(subparsers: Any) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY, "
                         "comma-separated keys); visible in ps: prefer the variable or --api-key-file")
     p.add_argument("--api-key-file", default=None, metavar="PATH",
-                   help="router: API keys, one per line, '#' comments")
+                   help="router: API keys, one per line, '#' comments (default: none)")
     p.add_argument("--tenant-cache-salt", action="store_true",
                    help="router: each API key is a tenant whose KV no other key's requests share")
     p.add_argument("--no-auth", action="store_true",
@@ -105,10 +126,10 @@ def add_up_parser(subparsers: Any) -> None:
                         "reaches their ports (trusted networks only)")
     p.add_argument("--secrets-dir", type=Path, default=None,
                    help="keep the generated credentials here (created 0700; existing ones reused) "
-                        "instead of a private temporary directory removed at exit")
+                        "(default: a private temporary directory, removed at exit)")
     p.add_argument("--stall-timeout-s", type=float, default=None,
                    help="router: a decode stream silent this long moves to another worker "
-                        "(default: the router's)")
+                        "(default: the router's, 5 s)")
     p.add_argument("--chat-template", default=None, metavar="PATH|NAME",
                    help="router: the chat template (default: hermes_tools, shipped with pdserve, for the "
                         "default model; the tokenizer's own for any other; '' = the tokenizer's own); "
@@ -123,9 +144,14 @@ def add_up_parser(subparsers: Any) -> None:
                         "qwen3 for Qwen3 models, deepseek_r1 for DeepSeek-R1 and QwQ); default: off")
     p.add_argument("--restart-budget", type=int, default=5,
                    help="restarts of one component allowed within --restart-window-s")
-    p.add_argument("--restart-window-s", type=float, default=300.0)
+    p.add_argument("--restart-window-s", type=float, default=300.0,
+                   help="the window of --restart-budget, in seconds")
     p.add_argument("--state-file", type=Path, default=None,
-                   help="keep a JSON file of the components (name, pid, port, state, restarts)")
+                   help="keep a JSON file of the components (name, pid, port, state, restarts) "
+                        "(default: none)")
+    p.add_argument("--enable-responses-store", action="store_true",
+                   help="router: keep /v1/responses sent with store=true in memory, for "
+                        "previous_response_id and GET /v1/responses/{id} (vLLM keeps it off too)")
     from services.autoscaler.local import add_autoscale_args
 
     add_autoscale_args(p)
@@ -287,6 +313,8 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
         router += ["--api-key-file", args.api_key_file]
     if args.tenant_cache_salt:
         router += ["--tenant-cache-salt"]
+    if args.enable_responses_store:
+        router += ["--enable-responses-store"]
     router += _tool_args(args, folder)
     # Keys go by environment, not argv (ps shows argv); the router holds no store credential.
     if args.api_key and args.api_key != os.environ.get("PDSERVE_API_KEY"):
@@ -383,11 +411,11 @@ def run_up(args: argparse.Namespace) -> int:
         for spec in specs:
             sup.start(spec)
             if spec.kind == "kvstore":
-                sup.wait_ready(spec.name, deadline)  # workers connect to it as they start
+                sup.wait_ready(spec.name, deadline, stop=stop)  # workers connect to it as they start
         for spec in specs:
-            sup.wait_ready(spec.name, deadline)
+            sup.wait_ready(spec.name, deadline, stop=stop)
         sup.start(router)
-        sup.wait_ready(router.name, deadline)
+        sup.wait_ready(router.name, deadline, stop=stop)
         _print_up(args, specs)
         sup.start_liveness()
         if args.autoscale:
@@ -402,10 +430,12 @@ def run_up(args: argparse.Namespace) -> int:
         if scaler is not None:
             scaler.stop()  # drains and stops the workers it started
         # The router first (no new requests), then the workers (they drain), then the store.
+        names = [c.spec.name for c in sup.children()]
         sup.stop_all([["router"], ["prefill", "decode", "colocated"], ["kvstore"]])
         router_socket.close()
         if private is not None:
             private.cleanup()
+        print(f"pdserve up: stopped ({', '.join(names) or 'nothing was running'})", flush=True)
 
 
 def _use_credentials(directory: Path) -> DeploymentSecrets:

@@ -31,14 +31,29 @@ def resolve_model_path(model: str) -> Path:
     local = Path(model).expanduser()
     if (local / "config.json").is_file():
         return local
+    if local.is_dir():
+        raise ValueError(f"model {model!r}: the folder has no config.json; {_FOLDER}")
+    if local.exists() or model.startswith(("/", ".", "~")):
+        what = "is a file but not a .gguf file" if local.exists() else "does not exist"
+        raise ValueError(f"model {model!r}: {what}; {_FOLDER}, or a .gguf file")
     try:
         return _snapshot(model)
     except Exception as exc:
-        names = ", ".join(m.name for m in CATALOG)
-        raise ValueError(
-            f"model {model!r} is not a local folder, the default model, or a downloadable hub id "
-            f"(nor a catalog model: {names}; nor a local .gguf file): {exc}"
-        ) from exc
+        raise ValueError(f"model {model!r} is not one pdserve can serve: not a catalog model, a local "
+                         f"folder or .gguf file, nor a hub id in the local Hugging Face cache "
+                         f"({type(exc).__name__}).\n{served_models_text()}") from exc
+
+
+# What a local model folder must hold (the loader reads these).
+_FOLDER = ("a model folder must hold config.json, the weights (*.safetensors) and the tokenizer's "
+           "files (tokenizer.json or tokenizer.model, tokenizer_config.json)")
+
+
+def served_models_text() -> str:
+    """What `--model` takes, the catalog's models by name."""
+    names = ", ".join(m.name + (" (the default)" if i == 0 else "") for i, m in enumerate(CATALOG))
+    return (f"--model takes:\n  - a catalog model by name: {names}\n  - a local .gguf file\n"
+            f"  - a local Hugging Face folder: {_FOLDER}\n  - a hub id already in the Hugging Face cache")
 
 
 def _snapshot(repo_id: str) -> Path:

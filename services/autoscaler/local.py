@@ -44,17 +44,22 @@ def add_autoscale_args(p: argparse.ArgumentParser) -> None:
                              "each option also reads PDSERVE_<OPTION>, e.g. PDSERVE_TTFT_MS)")
     g.add_argument("--autoscale", action="store_true", default=_env("AUTOSCALE", False, _flag),
                    help="size the pools from TTFT / ITL targets (PDSERVE_AUTOSCALE=1)")
-    g.add_argument("--max-prefill", type=int, default=_env("MAX_PREFILL", 3, int))
-    g.add_argument("--max-decode", type=int, default=_env("MAX_DECODE", 3, int))
+    g.add_argument("--max-prefill", type=int, default=_env("MAX_PREFILL", 3, int),
+                   help="the most prefill workers it runs")
+    g.add_argument("--max-decode", type=int, default=_env("MAX_DECODE", 3, int),
+                   help="the most decode (or colocated) workers it runs")
     g.add_argument("--ttft-ms", type=float, default=_env("TTFT_MS", 2000.0), help="TTFT p90 target")
     g.add_argument("--itl-ms", type=float, default=_env("ITL_MS", 200.0), help="ITL p90 target")
-    g.add_argument("--autoscale-interval-s", type=float, default=_env("AUTOSCALE_INTERVAL_S", 5.0))
+    g.add_argument("--autoscale-interval-s", type=float, default=_env("AUTOSCALE_INTERVAL_S", 5.0),
+                   help="seconds between its observations")
     g.add_argument("--prefill-tokens-per-s", type=float, default=_env("PREFILL_TOKENS_PER_S", 1500.0),
                    help="one prefill worker's throughput, until measured")
-    g.add_argument("--up-cooldown-s", type=float, default=_env("UP_COOLDOWN_S", 20.0))
-    g.add_argument("--down-cooldown-s", type=float, default=_env("DOWN_COOLDOWN_S", 60.0))
+    g.add_argument("--up-cooldown-s", type=float, default=_env("UP_COOLDOWN_S", 20.0),
+                   help="seconds after a change before a pool grows again")
+    g.add_argument("--down-cooldown-s", type=float, default=_env("DOWN_COOLDOWN_S", 60.0),
+                   help="seconds after a change before a pool shrinks")
     g.add_argument("--autoscale-log", type=Path, default=_env("AUTOSCALE_LOG", None, Path),
-                   help="JSON lines of observations/decisions")
+                   help="JSON lines of observations/decisions (default: none)")
 
 
 def planner_config(args: argparse.Namespace) -> PlannerConfig:

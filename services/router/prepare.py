@@ -44,6 +44,7 @@ class Prepared:
     prompts: list[list[int]]
     options: RunOptions
     stream: bool
+    score_only: bool = False  # echo with max_tokens 0: the prompt back, its one generated token dropped
 
 
 def parse(model: type[_Body], raw: bytes, limits: ShapeLimits | None) -> _Body:
@@ -114,6 +115,13 @@ def prepare_completion(gen: Generator, raw: bytes, large: bool) -> Prepared:
     check_model(gen, body.model)
     log_ignored("completions", body.model_extra)
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    score_only = max_tokens == 0
+    if score_only and not body.echo:
+        raise OpenAIError(400, "max_tokens: 0 generates nothing: it needs echo=true (the prompt back, "
+                               "with its logprobs when logprobs is set); else at least 1", "max_tokens")
+    if score_only and body.best_of not in (None, 1):
+        raise OpenAIError(400, "best_of: there is nothing to rank with max_tokens 0", "best_of")
+    max_tokens = max(max_tokens, 1)  # the engine computes one token, which is not returned
     keep = gen.truncation(body.truncate_prompt_tokens, max_tokens)
     prompts = [gen.check_token_ids(p, "prompt", keep) if isinstance(p, list)
                else gen.tokenize(p, "prompt", truncate=keep) for p in body.prompts]
@@ -128,7 +136,7 @@ def prepare_completion(gen: Generator, raw: bytes, large: bool) -> Prepared:
                   body.include_usage, body.continuous_usage, echo_prompts=echo,
                   echo_offsets=tuple(echo_chars(gen.thread_tokenizer, p) for p in prompts) if echo else (),
                   prompts=tuple(prompts), logprobs=body.logprobs, prompt_logprobs=body.prompt_logprobs)
-    return Prepared(reply, prompts, _options(body, params, body.best_of), body.stream)
+    return Prepared(reply, prompts, _options(body, params, body.best_of), body.stream, score_only)
 
 
 def prepare_chat(gen: Generator, raw: bytes, large: bool) -> Prepared:

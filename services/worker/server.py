@@ -190,4 +190,5 @@ async def serve(options: WorkerOptions) -> int:
     if server.gave_up:
         print(f"pdserve {options.role} worker: {server.gave_up}; exiting", file=sys.stderr, flush=True)
         return 1
+    print(f"pdserve {options.role} worker stopped ({server.target})", flush=True)
     return 0

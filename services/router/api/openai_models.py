@@ -182,6 +182,9 @@ class CompletionRequest(_SamplingFields, _CompletionRefused):
     prompt: (TextPrompt | TokenIdsPrompt
              | Annotated[list[TextPrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[TokenIdsPrompt], Field(min_length=1, max_length=MAX_PROMPTS)])
+    # 0 with echo scores the prompt: its text (and logprobs) back, nothing generated (OpenAI's and
+    # vLLM's); without echo a 400 (services/router/prepare.py).
+    max_tokens: Annotated[int, Field(ge=0), BeforeValidator(_json_integer)] | None = None
     logprobs: TopLogprobs | None = None
     echo: StrictBool = False  # each choice starts with its prompt (with logprobs: the prompt's too)
     best_of: SampleCount | None = None  # after n, seed and stream: its checks need them

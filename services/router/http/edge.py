@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
 from typing import Any
 
@@ -180,4 +181,9 @@ def serve(app: ASGIApp, config: RouterConfig, host: str, port: int, log_level: s
     else:
         sock = bind(host, port)
     server = uvicorn.Server(uvicorn_config(app, config, log_level))
+    # uvicorn sends itself the signal that stopped it again once it has shut down, to the
+    # handler in place before it ran: the default one would end the process there, before its
+    # closing line. These handlers only note it (uvicorn's own handle the signals meanwhile).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     server.run(sockets=[sock])

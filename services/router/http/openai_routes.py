@@ -13,7 +13,9 @@ there itself.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter
@@ -28,6 +30,7 @@ from services.router.api.openai_models import (
     models_body,
 )
 from services.router.errors import OpenAIError
+from services.router.fanout import Delta
 from services.router.generation import Generator
 from services.router.http.heavy import PoolLimits
 from services.router.http.hot_path import Handler
@@ -45,7 +48,18 @@ async def execute(prepared: Prepared) -> JSONResponse | StreamingResponse:
     admission = gen.admit()
     gen.metrics.prompt_tokens.inc(sum(reply.prompt_lens))
     deltas = gen.run(reply.request_id, prepared.prompts, prepared.options)
+    if prepared.score_only:
+        deltas = _prompt_only(deltas)
     return await respond(reply, deltas, prepared.stream, admission)
+
+
+async def _prompt_only(deltas: AsyncGenerator[Delta, None]) -> AsyncGenerator[Delta, None]:
+    """echo with max_tokens 0: each sample's deltas without what it generated (the one token the
+    engine computed to get the prompt's logprobs); it ends as OpenAI's does, with "length"."""
+    async with aclosing(deltas):
+        async for d in deltas:
+            yield replace(d, text="", token_ids=[], logprobs=[], completion_tokens=0,
+                          finish_reason="length" if d.finish_reason else None)
 
 
 def openai_routes(gen: Callable[[], Generator], limits: Callable[[], PoolLimits]

@@ -203,6 +203,36 @@ async def test_echo_with_logprobs_gives_the_prompt_tokens_logprobs_first_none(
 
 
 @in_module_loop
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(
+        client: openai.AsyncOpenAI, router: ServedRouter, reference: Any, stream: bool) -> None:
+    prompt = PROMPTS[0]
+    ids = _prompt_ids(router, prompt)
+    kw: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "logprobs": 1, "echo": True}
+    if stream:
+        chunks = [c async for c in await client.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kw)]
+        choices = [c.choices[0] for c in chunks if c.choices]
+        text = "".join(c.text for c in choices)
+        lps = [lp for c in choices if c.logprobs for lp in c.logprobs.token_logprobs or []]
+        finish, usage = choices[-1].finish_reason, chunks[-1].usage
+    else:
+        out = await client.completions.create(**kw)
+        c = out.choices[0]
+        assert c.logprobs is not None
+        text, lps, finish, usage = c.text, c.logprobs.token_logprobs or [], c.finish_reason, out.usage
+    assert text == prompt and finish == "length"
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (len(ids), 0)
+    assert len(lps) == len(ids) and lps[0] is None
+    ref = reference(ids)
+    for pos in range(1, len(ids)):
+        assert lps[pos] == pytest.approx(float(ref[pos - 1, ids[pos]]), abs=1e-4)
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"  # type: ignore[index]
+
+
+@in_module_loop
 async def test_prompt_logprobs_equal_transformers_and_echo(client: openai.AsyncOpenAI, router: ServedRouter,
                                                           reference: Any) -> None:
     prompt = PROMPTS[1]

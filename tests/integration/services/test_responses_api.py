@@ -329,3 +329,21 @@ async def test_a_wrong_model_is_a_404_and_a_large_body_is_prepared_off_the_loop(
         r = await http.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 3,
                                                    "metadata": metadata})
         assert r.status_code == 200 and r.json()["metadata"] == metadata
+
+
+@in_module_loop
+async def test_scoring_a_prompt_with_echo_and_max_tokens_0_is_the_same_split_and_colocated(
+        routers: dict[str, ServedRouter]) -> None:
+    """(Completions, on this module's two setups: the split one scores on the prefill worker.)"""
+    scored = {}
+    for setup in ("split", "colocated"):
+        async with _client(routers[setup]) as client:
+            out = await client.completions.create(model="m", prompt=QUESTION, max_tokens=0, echo=True,
+                                                  logprobs=1)
+        choice = out.choices[0]
+        assert choice.text == QUESTION and choice.finish_reason == "length"
+        assert out.usage is not None and out.usage.completion_tokens == 0
+        assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+        scored[setup] = choice.logprobs.token_logprobs
+    assert scored["split"][0] is None and len(scored["split"]) == len(scored["colocated"])
+    assert scored["split"][1:] == pytest.approx(scored["colocated"][1:], abs=1e-5)

@@ -136,7 +136,11 @@ async def test_eight_concurrent_streams_all_finish(client: openai.AsyncOpenAI, o
 
 @in_module_loop
 async def test_models_and_health(router: ServedRouter, client: openai.AsyncOpenAI) -> None:
-    assert [m.id async for m in client.models.list()] == [MODEL]
+    cards = [m async for m in client.models.list()]
+    assert [m.id for m in cards] == [MODEL]
+    # vLLM's card: when the router began serving it, who serves it, the context limit
+    assert 0 < time.time() - cards[0].created < 3600 and cards[0].owned_by == "pdserve"
+    assert (cards[0].model_extra or {}).get("max_model_len", 0) > 0
     async with httpx.AsyncClient() as http:
         assert (await http.get(f"http://127.0.0.1:{router.port}/health")).status_code == 200
 

@@ -136,7 +136,9 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
     admin_key = tmp_path / "admin-key"
     admin_key.write_text(secrets.token_hex(12))
     admin_key.chmod(0o600)
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    # A session of its own, as a terminal gives it: Ctrl-C reaches the whole foreground group.
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True,
                             env={**os.environ, "PDSERVE_API_KEY": api_key,
                                  "PDSERVE_ADMIN_API_KEY_FILE": str(admin_key)})
     try:
@@ -168,8 +170,18 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
         assert colocated or 'mode="early"' in handoffs[0], handoffs
         live = httpx.get(f"http://127.0.0.1:{liveness}/livez", timeout=10)  # off the router's loop
         assert live.status_code == 200 and live.json()["status"] == "alive"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        out, err = proc.communicate(timeout=90)
+        assert proc.returncode == 0, err[-2000:]
+        # a clean stop: one closing line per component and one from up, no traceback, no worker
+        # reported unhealthy (the router stops before the workers it calls)
+        closing = [line for line in out.splitlines() if "stopped" in line]
+        workers = 1 if colocated else 2
+        assert sum("worker stopped" in line for line in closing) == workers, out
+        assert any(line.startswith("pdserve router stopped") for line in closing), out
+        assert any(line.startswith("kvstore: stopped") for line in closing) != colocated, out
+        assert out.splitlines()[-1].startswith("pdserve up: stopped ("), out
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err and "unhealthy" not in err, err
         time.sleep(0.5)
         for port in (router, store, prefill, decode, metrics, liveness):
             with socket.socket() as s:

@@ -71,9 +71,17 @@ def test_sharded_moe_checkpoint_loads_from_its_index(tmp_path: Path, paged_drive
     assert_close(paged_driver(model).step([("a", tokens)])["a"], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_unknown_model_name_gives_a_clear_error() -> None:
-    with pytest.raises(ValueError, match="is not a local folder, the default model, or a downloadable"):
+def test_unknown_model_name_gives_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="is not one pdserve can serve") as e:
         resolve_model_path("no/such/model-x")
+    text = str(e.value)
+    # the models it can serve by name, what a folder must hold; not the hub library's own advice
+    assert "smollm2-135m-instruct (the default), gemma-3-270m" in text and "config.json" in text
+    assert "internet connection" not in text
+    with pytest.raises(ValueError, match=r"the folder has no config\.json; a model folder must hold"):
+        resolve_model_path(str(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_path(str(tmp_path / "missing"))
 
 
 def test_missing_weights_are_reported(tmp_path: Path) -> None:
