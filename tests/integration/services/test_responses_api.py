@@ -56,7 +56,9 @@ def routers(workers: dict[str, WorkerServer], model_dir: Path) -> Iterator[dict[
     configs = {"split": config(*split, enable_responses_store=True),
                "colocated": config(*colocated),
                "tenants": config(*colocated, enable_responses_store=True, api_keys=KEYS,
-                                 tenant_cache_salt=True)}
+                                 tenant_cache_salt=True),
+               # deepseek_r1: a reply starts in its reasoning (the random model never closes it)
+               "reasoning": config(*split, reasoning_parser="deepseek_r1")}
     served = {name: ServedRouter(c) for name, c in configs.items()}
     for r in served.values():
         r.__enter__()
@@ -80,10 +82,11 @@ async def _streamed(client: openai.AsyncOpenAI, **kw: Any) -> tuple[Any, list[An
     final = events[-1].response
     joined: dict[str, str] = {}
     for e in events:
-        if e.type in ("response.output_text.delta", "response.function_call_arguments.delta"):
+        if e.type in ("response.output_text.delta", "response.function_call_arguments.delta",
+                      "response.reasoning_text.delta"):
             joined[e.item_id] = joined.get(e.item_id, "") + e.delta
     for item in final.output:
-        text = item.content[0].text if item.type == "message" else item.arguments
+        text = item.arguments if item.type == "function_call" else item.content[0].text
         assert joined.get(item.id, "") == text
     assert [e.item for e in events if e.type == "response.output_item.done"] == final.output
     return final, events
@@ -347,3 +350,25 @@ async def test_scoring_a_prompt_with_echo_and_max_tokens_0_is_the_same_split_and
         scored[setup] = choice.logprobs.token_logprobs
     assert scored["split"][0] is None and len(scored["split"]) == len(scored["colocated"])
     assert scored["split"][1:] == pytest.approx(scored["colocated"][1:], abs=1e-5)
+
+
+@in_module_loop
+async def test_reasoning_comes_back_as_a_reasoning_item_as_chat_gives_it(
+        routers: dict[str, ServedRouter]) -> None:
+    async with _client(routers["reasoning"]) as client:
+        chat = await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": QUESTION}], max_tokens=16, temperature=0)
+        plain = await client.responses.create(model="m", input=QUESTION, max_output_tokens=16, temperature=0)
+        streamed, events = await _streamed(client, model="m", input=QUESTION, max_output_tokens=16,
+                                           temperature=0)
+    reasoning = (chat.choices[0].message.model_extra or {})["reasoning_content"]
+    assert reasoning and chat.usage is not None
+    for response in (plain, streamed):
+        assert [item.type for item in response.output] == ["reasoning"]
+        item = response.output[0]
+        assert item.content is not None and [c.text for c in item.content] == [reasoning]
+        assert response.usage is not None
+        assert response.usage.output_tokens == chat.usage.completion_tokens
+        assert response.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == reasoning
