@@ -30,9 +30,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine import core_entry
 from engine.config import EngineConfig
 from engine.core.outputs import EngineCoreOutputs, EngineCoreRequest, EngineStats, FirstToken
-from engine.core_proc import run_engine_core
 from engine.engine_core import EngineCore
 from engine.serial import (
     ABORT,
@@ -206,7 +206,7 @@ class MPClient(EngineCoreClient):
         self._notify_event: asyncio.Event | None = None
         spawn = multiprocessing.get_context("spawn")
         self.proc = spawn.Process(
-            target=run_engine_core, name="pdserve-engine-core", daemon=True,
+            target=core_entry.main, name="pdserve-engine-core", daemon=True,
             args=(msgspec.msgpack.encode(config), input_address, output_address))
         self.proc.start()
         try:
@@ -389,3 +389,4 @@ class AsyncMPClient(MPClient):
 def _startup_error(failure: CoreFailure) -> Exception:
     message = f"engine core failed to start: {failure.message}"
     return ValueError(message) if failure.error_type == "ValueError" else RuntimeError(message)
+

@@ -96,3 +96,38 @@ def test_bad_scheduling_values_name_the_field() -> None:
                         (["--sjf-max-wait-s", "-1"], "sjf_max_wait_s")):
         with pytest.raises(ValueError, match=field):
             worker_engine_config(build_parser().parse_args(["worker", "--role", "prefill", *argv]))
+
+
+def test_ctrl_c_while_a_worker_starts_stops_it_without_tracebacks(tiny_model_dir, tmp_path) -> None:
+    """A terminal's Ctrl-C reaches the worker and its engine core (one process group) while the
+    core is still importing: the core ignores it from its first instruction (inherited), the
+    worker stops once started, with its closing line."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from services.procs import free_port
+
+    argv = [sys.executable, "-m", "services.cli", "worker", "--role", "colocated", "--model",
+            str(tiny_model_dir("llama")), "--port", str(free_port()), "--num-threads", "1",
+            "--kv-cache-gib", "0.05", "--max-model-len", "256"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 60
+        while not psutil.Process(proc.pid).children() and time.monotonic() < deadline:
+            time.sleep(0.05)  # until the engine core exists (it then imports torch for seconds)
+        time.sleep(1.0)  # past the interpreter's own start-up, inside the core's imports
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 0, err
+    assert "pdserve colocated worker stopped" in out, out

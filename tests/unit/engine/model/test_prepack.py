@@ -28,8 +28,16 @@ def test_a_packed_weight_gives_f_linears_bits(rows: int, with_bias: bool) -> Non
     b = torch.randn(200, generator=g).bfloat16() if with_bias else None
     packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
     assert packed.is_mkldnn
-    assert torch.equal(linear(x, packed, b), F.linear(x, w, b))
-    assert torch.equal(linear(x[:, :96], packed, b), F.linear(x, w, b))  # a view is fine
+    threads = torch.get_num_threads()
+    try:  # one thread: the same sums in the same order, bit for bit
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x, packed, b), F.linear(x, w, b))
+        assert torch.equal(linear(x[:, :96], packed, b), F.linear(x, w, b))  # a view is fine
+    finally:
+        torch.set_num_threads(threads)
+    # More threads: oneDNN may split the two GEMMs' work differently on CPUs without native bf16
+    # (seen on an AVX-512 Xeon without BF16 at 2 threads): within one bf16 rounding.
+    torch.testing.assert_close(linear(x, packed, b), F.linear(x, w, b), rtol=2**-7, atol=2**-7)
 
 
 @needs_bf16
