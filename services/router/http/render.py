@@ -81,11 +81,7 @@ async def respond(reply: Reply, deltas: AsyncGenerator[Delta, None], stream: boo
     streaming = False  # once the stream owns the admission, it releases it
     retry = reply.gen.config.retry_after_s
     try:
-        try:
-            first = await anext(deltas)
-        except (WorkerError, NoWorkerError) as e:
-            await deltas.aclose()
-            raise from_dispatch(e, retry) from e
+        first = await first_delta(deltas, retry)
         if stream:
             streaming = True
             return SSEResponse(_stream(reply, first, deltas, admission), media_type="text/event-stream",
@@ -99,6 +95,16 @@ async def respond(reply: Reply, deltas: AsyncGenerator[Delta, None], stream: boo
     finally:
         if not streaming:
             admission.release()
+
+
+async def first_delta(deltas: AsyncGenerator[Delta, None], retry_after_s: int) -> Delta:
+    """A request's first delta; a worker's failure before it is the client's HTTP error (the
+    samples' calls cancelled)."""
+    try:
+        return await anext(deltas)
+    except (WorkerError, NoWorkerError) as e:
+        await deltas.aclose()
+        raise from_dispatch(e, retry_after_s) from e
 
 
 async def _stream(reply: Reply, first: Delta, deltas: AsyncGenerator[Delta, None],

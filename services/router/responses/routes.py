@@ -29,6 +29,7 @@ from services.router.fanout import Delta
 from services.router.generation import Admission, Generator
 from services.router.http.heavy import PoolLimits
 from services.router.http.hot_path import Handler, SSEResponse
+from services.router.http.render import first_delta
 from services.router.http.tenants import caller, current_tenant
 from services.router.prepare import Prepared, check_model, parse, prepare_chat_body
 from services.router.responses.convert import PASSED, chat_body, renamed, validation_error
@@ -93,11 +94,7 @@ async def execute(p: PreparedResponse, store: ResponseStore | None) -> Response:
     retry = gen.config.retry_after_s
     streaming = False
     try:
-        try:
-            first = await anext(deltas)
-        except (WorkerError, NoWorkerError) as e:
-            await deltas.aclose()
-            raise from_dispatch(e, retry) from e
+        first = await first_delta(deltas, retry)
         if p.request.stream:
             streaming = True
             return SSEResponse(_events(p, build, first, deltas, admission, store),

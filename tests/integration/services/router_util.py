@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import httpx
@@ -70,3 +72,17 @@ class ServedRouter:
         """The sum of the samples of `name` whose labels include `labels`."""
         return sum(v for (n, ls), v in self.metrics().items()
                    if n == name and all((k, val) in ls for k, val in labels.items()))
+
+
+@contextlib.contextmanager
+def serving(configs: Mapping[str, RouterConfig | Any]) -> Iterator[dict[str, ServedRouter]]:
+    """A ServedRouter per config, by name, all started; all stopped at the end."""
+    served = {name: ServedRouter(c) for name, c in configs.items()}
+    started: list[ServedRouter] = []
+    try:
+        for r in served.values():
+            started.append(r.__enter__())
+        yield served
+    finally:
+        for r in started:
+            r.__exit__(None, None, None)

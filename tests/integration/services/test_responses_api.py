@@ -29,7 +29,7 @@ import pytest
 from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
-from tests.integration.services.router_util import ServedRouter
+from tests.integration.services.router_util import ServedRouter, serving
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 TOOLS_ON = {"chat_template": "hermes_tools", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
@@ -59,14 +59,8 @@ def routers(workers: dict[str, WorkerServer], model_dir: Path) -> Iterator[dict[
                                  tenant_cache_salt=True),
                # deepseek_r1: a reply starts in its reasoning (the random model never closes it)
                "reasoning": config(*split, reasoning_parser="deepseek_r1")}
-    served = {name: ServedRouter(c) for name, c in configs.items()}
-    for r in served.values():
-        r.__enter__()
-    try:
+    with serving(configs) as served:
         yield served
-    finally:
-        for r in served.values():
-            r.__exit__(None, None, None)
 
 
 def _client(router: ServedRouter, key: str = "x") -> openai.AsyncOpenAI:

@@ -27,7 +27,7 @@ from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.conftest import engine_config, running_together, worker_options
-from tests.integration.services.router_util import ServedRouter
+from tests.integration.services.router_util import ServedRouter, serving
 from tests.integration.structured_schemas import CASES, MAX_TOKENS, Case
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -50,15 +50,9 @@ def routers(workers: dict[str, WorkerServer], default_model_dir: Path) -> Iterat
         return RouterConfig(model="m", tokenizer=str(default_model_dir), max_model_len=MODEL_LEN,
                             dispatch=DispatchOptions(prefill=prefill, decode=(decode,), decode_timeout_s=300))
 
-    served = {"colocated": ServedRouter(config(workers["colocated"].target)),
-              "split": ServedRouter(config(workers["decode"].target, (workers["prefill"].target,)))}
-    for r in served.values():
-        r.__enter__()
-    try:
+    with serving({"colocated": config(workers["colocated"].target),
+                  "split": config(workers["decode"].target, (workers["prefill"].target,))}) as served:
         yield served
-    finally:
-        for r in served.values():
-            r.__exit__(None, None, None)
 
 
 def _constraint(case: Case) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.conftest import engine_config, running_together, worker_options
-from tests.integration.services.router_util import ServedRouter
+from tests.integration.services.router_util import ServedRouter, serving
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 TOOLS_ON = {"chat_template": "hermes_tools", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
@@ -74,14 +74,8 @@ def routers(servers: dict[str, WorkerServer], model_dir: Path, default_model_dir
                "split": config(model_dir, servers["decode"].target, (servers["prefill"].target,), **TOOLS_ON),
                "no-auto": config(model_dir, servers["colocated"].target),
                "real": config(default_model_dir, servers["real"].target, max_model_len=REAL_LEN, **TOOLS_ON)}
-    served = {name: ServedRouter(c) for name, c in configs.items()}
-    for r in served.values():
-        r.__enter__()
-    try:
+    with serving(configs) as served:
         yield served
-    finally:
-        for r in served.values():
-            r.__exit__(None, None, None)
 
 
 def _client(router: ServedRouter) -> openai.AsyncOpenAI:
