@@ -16,6 +16,7 @@ models; so are item references (send the item, or continue with previous_respons
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Any
 
 import pydantic
@@ -50,6 +51,7 @@ def chat_body(request: ResponsesRequest, history: list[dict[str, Any]]) -> tuple
     for message, name in input_messages(request.input):
         messages.append(message)
         names.append(name)
+    _check_call_outputs(messages, names)
     body: dict[str, Any] = {"model": request.model, "messages": messages}
     extra = request.model_extra or {}
     body.update({k: extra[k] for k in PASSED if k in extra})
@@ -83,8 +85,10 @@ def chat_body(request: ResponsesRequest, history: list[dict[str, Any]]) -> tuple
     return body, names
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[tuple[dict[str, Any], str]]:
+def input_messages(items: str | list[Any] | None) -> list[tuple[dict[str, Any], str]]:
     """The chat messages of a request's input, each with the input item it came from."""
+    if items is None:
+        raise OpenAIError(400, "input: required (a text, or a list of items)", "input")
     if isinstance(items, str):
         return [({"role": "user", "content": items}, "input")]
     out: list[tuple[dict[str, Any], str]] = []
@@ -132,6 +136,34 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[tuple[dict[str, An
             raise OpenAIError(400, f"{where}.type: {kind!r:.60} items are not supported by this server (it "
                                    f"takes messages, function_call, function_call_output and reasoning "
                                    f"items)", f"{where}.type")
+    return out
+
+
+def _check_call_outputs(messages: list[dict[str, Any]], names: list[str]) -> None:
+    """Each function_call_output answers a call made earlier in the conversation (OpenAI's rule)."""
+    calls: set[str] = set()
+    for message, name in zip(messages, names, strict=True):
+        calls.update(c["id"] for c in message.get("tool_calls") or [])
+        if message["role"] == "tool" and message["tool_call_id"] not in calls:
+            raise OpenAIError(400, f"{name}.call_id: no function call with call_id "
+                                   f"{message['tool_call_id']!r:.80} precedes this output in the "
+                                   f"conversation", f"{name}.call_id")
+
+
+def input_items(items: str | list[Any] | None) -> list[dict[str, Any]]:
+    """A request's input as OpenAI lists it (GET /v1/responses/{id}/input_items): items with an
+    `id` and a `type`, a text input as one user message."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": items}]}]
+    out = []
+    for item in items or []:
+        item = {"type": "message", **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco",
+                  "reasoning": "rs"}.get(item["type"], "item")
+        out.append({"id": f"{prefix}_{uuid.uuid4().hex}", **item})
     return out
 
 

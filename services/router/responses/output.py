@@ -50,6 +50,7 @@ class OutputBuilder:
         self.status = "in_progress"
         self.output_tokens = self.cached_tokens = self.reasoning_tokens = 0
         self.finish: str | None = None
+        self.completed_at: int | None = None
         self.error: dict[str, Any] | None = None
         self._logprobs: list[dict[str, Any]] = []  # of tokens whose text has not gone out yet
 
@@ -108,8 +109,11 @@ class OutputBuilder:
         """The response object as it stands."""
         req, shape = self.shape.request, self.shape
         done = self.status in ("completed", "incomplete")
+        if done and self.completed_at is None:
+            self.completed_at = int(time.time())
         return {
             "id": shape.id, "object": "response", "created_at": shape.created_at, "status": self.status,
+            "completed_at": self.completed_at,
             "background": False, "error": self.error,
             "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
@@ -177,7 +181,8 @@ class OutputBuilder:
     def _call(self, call: dict[str, Any]) -> list[Event]:
         function = call.get("function", {})
         if "id" in call:  # a new call: its header
-            return self._opened("fc", {"type": "function_call", "call_id": call["id"],
+            call_id = "call_" + str(call["id"]).removeprefix("chatcmpl-tool-")  # OpenAI's form
+            return self._opened("fc", {"type": "function_call", "call_id": call_id,
                                        "name": function.get("name", ""), "arguments": ""})
         assert self.open is not None and self.open["type"] == "function_call"
         delta = function.get("arguments", "")
@@ -260,4 +265,4 @@ def _tool_choice(req: ResponsesRequest) -> Any:
     choice = req.tool_choice
     if isinstance(choice, FunctionChoice):
         return {"type": "function", "name": choice.name}
-    return choice if choice is not None else ("auto" if req.tools else "none")
+    return choice if choice is not None else "auto"  # OpenAI's default (with no tools it calls none)

@@ -113,7 +113,9 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
-    input: StrictStr | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_INPUT_ITEMS)]
+    # Required (checked after the refused fields, so `prompt` alone is named as refused): a text,
+    # or a list of items (objects: messages, function_call, function_call_output, reasoning).
+    input: StrictStr | list[Any] | None = None
     instructions: StrictStr | None = None
     max_output_tokens: TokenCount | None = None
     temperature: StrictFloat | None = None  # range checked as chat's (the chat request carries it)
@@ -146,6 +148,21 @@ class ResponsesRequest(BaseModel):
     @classmethod
     def _refused(cls, v: Any, info: Any) -> Any:
         return unsupported.check(REFUSED, info.field_name, v)
+
+    @field_validator("input")
+    @classmethod
+    def _items(cls, v: str | list[Any] | None) -> str | list[Any] | None:
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("must be a text or a list of at least one item")
+            if len(v) > MAX_INPUT_ITEMS:
+                raise ValueError(f"at most {MAX_INPUT_ITEMS} items")
+            bad = next((i for i, item in enumerate(v) if not isinstance(item, dict)), None)
+            if bad is not None:
+                raise ValueError(f"item {bad} is not an object: items are messages "
+                                 f"({{\"role\", \"content\"}}), function_call, function_call_output "
+                                 f"or reasoning objects")
+        return v
 
     @field_validator("include")
     @classmethod

@@ -13,10 +13,10 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import pydantic
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse, Response
 from starlette.background import BackgroundTask
 from starlette.types import Scope
@@ -32,10 +32,10 @@ from services.router.http.hot_path import Handler, SSEResponse
 from services.router.http.render import first_delta
 from services.router.http.tenants import caller, current_tenant
 from services.router.prepare import Prepared, check_model, parse, prepare_chat_body
-from services.router.responses.convert import PASSED, chat_body, renamed, validation_error
+from services.router.responses.convert import PASSED, chat_body, input_items, renamed, validation_error
 from services.router.responses.output import Event, OutputBuilder, Shape
 from services.router.responses.request import ResponsesRequest
-from services.router.responses.store import ResponseStore
+from services.router.responses.store import ResponseStore, Stored
 from services.worker.client import WorkerError
 
 NO_STORE = ("this server keeps no responses: start the router with --enable-responses-store "
@@ -140,7 +140,7 @@ async def _events(p: PreparedResponse, build: OutputBuilder, first: Delta,
 
 def _keep(p: PreparedResponse, build: OutputBuilder, store: ResponseStore | None) -> None:
     if store is not None and p.request.store:
-        store.put(p.tenant, build.body(), p.messages + build.chat_messages())
+        store.put(p.tenant, build.body(), p.messages + build.chat_messages(), input_items(p.request.input))
 
 
 def _sse(events: list[Event]) -> str:
@@ -164,7 +164,7 @@ def responses_routes(gen: Callable[[], Generator], limits: Callable[[], PoolLimi
         except OpenAIError as e:
             return e.response()
 
-    def stored(response_id: str) -> dict[str, Any]:
+    def stored(response_id: str) -> Stored:
         kept = store()
         if kept is None:
             raise OpenAIError(404, NO_STORE, "response_id", "not_found")
@@ -172,7 +172,7 @@ def responses_routes(gen: Callable[[], Generator], limits: Callable[[], PoolLimi
         if found is None:
             raise OpenAIError(404, f"no stored response has the id {response_id!r:.140}", "response_id",
                               "not_found")
-        return found.body
+        return found
 
     @router.post("/v1/responses", response_model=None, responses=OPENAI_RESPONSES)
     async def create(body: ResponsesRequest) -> Response:
@@ -180,7 +180,30 @@ def responses_routes(gen: Callable[[], Generator], limits: Callable[[], PoolLimi
 
     @router.get("/v1/responses/{response_id}", responses={404: OPENAI_RESPONSES[400]})
     async def retrieve(response_id: str) -> dict[str, Any]:
-        return stored(response_id)
+        return stored(response_id).body
+
+    @router.get("/v1/responses/{response_id}/input_items", responses={404: OPENAI_RESPONSES[400]})
+    async def items(response_id: str, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                    order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict[str, Any]:
+        """A stored response's input items, as OpenAI pages them (newest first by default)."""
+        listed = list(stored(response_id).items)
+        if order == "desc":
+            listed.reverse()
+        if after is not None:
+            at = next((i for i, item in enumerate(listed) if item["id"] == after), None)
+            if at is None:
+                raise OpenAIError(400, f"after: no input item of {response_id!r:.140} has the id "
+                                       f"{after!r:.140}", "after")
+            listed = listed[at + 1:]
+        page = listed[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit}
+
+    @router.post("/v1/responses/{response_id}/cancel", responses={404: OPENAI_RESPONSES[400]})
+    async def cancel(response_id: str) -> dict[str, Any]:
+        stored(response_id)
+        raise OpenAIError(400, "only background responses can be cancelled, and this server runs "
+                               "none (background: true is refused)", "response_id")
 
     @router.delete("/v1/responses/{response_id}", responses={404: OPENAI_RESPONSES[400]})
     async def delete(response_id: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -25,6 +25,7 @@ class Stored:
     body: dict[str, Any]
     messages: list[dict[str, Any]]  # the conversation through this response, as chat messages
     size: int
+    items: list[dict[str, Any]] = field(default_factory=list)  # its input, as items with ids
 
 
 class ResponseStore:
@@ -40,15 +41,17 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, tenant: str, body: dict[str, Any], messages: list[dict[str, Any]]) -> bool:
-        """Keep a response; False when it alone is larger than the store."""
-        size = len(json.dumps(body)) + len(json.dumps(messages))
+    def put(self, tenant: str, body: dict[str, Any], messages: list[dict[str, Any]],
+            items: list[dict[str, Any]] | None = None) -> bool:
+        """Keep a response (with its input items); False when it alone is larger than the store."""
+        items = items or []
+        size = len(json.dumps(body)) + len(json.dumps(messages)) + len(json.dumps(items))
         if size > self.max_bytes:
             return False
         key = (tenant, str(body["id"]))
         with self._lock:
             self._pop(key)
-            self._items[key] = Stored(body, messages, size)
+            self._items[key] = Stored(body, messages, size, items)
             self.bytes += size
             while len(self._items) > self.max_responses or self.bytes > self.max_bytes:
                 _, old = self._items.popitem(last=False)

@@ -150,7 +150,7 @@ async def test_function_calls_are_the_chat_tool_calls_of_the_same_request(
         assert [(c.name, json.loads(c.arguments)) for c in calls] == expected
         for c in calls:
             jsonschema.validate(json.loads(c.arguments), WEATHER)
-            assert c.call_id and c.id.startswith("fc_") and c.status == "completed"
+            assert c.call_id.startswith("call_") and c.id.startswith("fc_") and c.status == "completed"
 
 
 class Forecast(pydantic.BaseModel):
@@ -195,6 +195,12 @@ async def test_a_stored_response_is_retrieved_continued_and_deleted(routers: dic
         assert first.store is True
         got = await client.responses.retrieve(first.id)
         assert got.model_dump() == first.model_dump()
+        assert first.completed_at is not None and first.completed_at >= first.created_at
+        listed = await client.responses.input_items.list(first.id)
+        assert [(i.type, i.role, i.content[0].text) for i in listed.data] == [  # type: ignore[union-attr]
+            ("message", "user", "Hello there.")]
+        with pytest.raises(openai.BadRequestError):  # nothing runs in the background here
+            await client.responses.cancel(first.id)
         second, _ = await _streamed(client, model="m", input="And then?", previous_response_id=first.id,
                                     max_output_tokens=12, temperature=0)
         # instructions do not carry over (OpenAI's rule): the conversation without them

@@ -108,7 +108,9 @@ def narrowed(spec: dict[str, Any]) -> dict[str, Any]:
         "tool_choice": {"anyOf": [{"enum": ["none"]}, {"type": "null"}]},
         "previous_response_id": {"type": "null"},
         **{field: {"type": "null"} for field in responses_request.REFUSED}})
-    responses["required"] = [*responses["required"], "max_output_tokens"]
+    responses["properties"]["temperature"] = {"type": "number", "minimum": 0, "maximum": 2}
+    responses["properties"]["top_p"] = {"type": "number", "exclusiveMinimum": 0, "maximum": 1}
+    responses["required"] = [*responses["required"], "input", "max_output_tokens"]
     for path in ("/tokenize", "/detokenize"):
         body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         for member in body.get("anyOf", [body]):

@@ -97,6 +97,8 @@ def test_tools_tool_choice_and_text_format_become_their_chat_fields() -> None:
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}, "input[0].call_id"),
+    ({"input": None}, "input"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_responses_field(
         fields: dict[str, Any], param: str) -> None:
@@ -111,7 +113,8 @@ def test_what_cannot_be_served_is_a_400_naming_the_responses_field(
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"), ({"service_tier": "flex"}, "service_tier"),
-    ({"input": []}, "input"), ({"top_logprobs": 21}, "top_logprobs"),
+    ({"input": []}, "input"), ({"input": ["hi"]}, "input"), ({"top_logprobs": 21}, "top_logprobs"),
+    ({"prompt": {"id": "pmpt_1"}, "input": None}, "prompt"),
 ])
 def test_refused_fields_are_named_by_the_request_model(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(pydantic.ValidationError) as e:
