@@ -30,6 +30,7 @@ LATE = [[300 + (13 * i + 7 * j) % 4000 for j in range(40 + 10 * i)] for i in ran
 NEW_TOKENS = 360
 LATE_TOKENS = 24
 GAP_BOUND_S = 2.0
+STORE_WAIT_S = 9.0  # under the store wait this guards against (10 s before the fix)
 
 
 def greedy(n: int) -> SamplingParams:
@@ -122,7 +123,11 @@ async def test_a_killed_store_leaves_the_streams_gaps_under_2_s(
     streams' own gaps approach 2 s (seen: 1.9 s with two CPU-burning processes beside; 1.24 s in a
     CI run whose other test process was busy, then 2.03 s after the kill), so the bound is 2 s or
     those plus 1 s (the fault may add a load's kv_load_wait_s, 0.5 s, to a step), whichever is
-    larger: a store wait (10 s before this fix) exceeds both."""
+    larger: a store wait (10 s before this fix) exceeds both. On a slower CPU with the other test
+    process busy the fault-free gaps reached 4.5 s and the same load after the kill 5.7 s (a CI
+    run on an AVX-512 Xeon without BF16): the load's own gaps vary by a quarter between the two
+    runs, so the bound takes the larger of 2 s and 1.25x those plus 1 s, and stays under the 10 s
+    store wait whatever the load."""
     url = f"http://{stack['router'].target}"
     async with WorkerClient(stack["prefill"].target) as prefill, \
             WorkerClient(stack["decode"].target) as decode:
@@ -143,7 +148,7 @@ async def test_a_killed_store_leaves_the_streams_gaps_under_2_s(
 
         gaps: list[float] = []
         texts, late, before = await run_streams(url, decode, gaps, kill, firsts)
-    after, bound = gaps[before:], max(GAP_BOUND_S, max(base) + 1.0)
+    after, bound = gaps[before:], min(max(GAP_BOUND_S, 1.25 * max(base) + 1.0), STORE_WAIT_S)
     print(f"gaps of the 8 streams: without a fault max {max(base):.3f} s; after the store's kill "
           f"({len(after)}) max {max(after):.3f} s; bound {bound:.2f} s")
     assert texts == expected[0]
