@@ -16,6 +16,13 @@ from services.procs import free_port
 from services.router.app import RouterConfig, create_app
 from services.router.http.edge import uvicorn_config
 
+# Workers started by a test module (conftest.py's `workers`) answer on the module's event loop,
+# which the test's own client code holds now and then: an SDK imported on first use, the openai
+# client building its response models on a first call (measured: up to 5 s on a loaded 2-core
+# machine). Five late load reports in a row mark a worker unhealthy (a 503 for the next request),
+# so routers over such workers give a report 3 s, not 1 s. Frozen-worker tests keep the default.
+IN_LOOP_LOAD_TIMEOUT_S = 3.0
+
 
 class ServedRouter:
     """The router app (or any ASGI app) under uvicorn in a background thread (its own event loop).

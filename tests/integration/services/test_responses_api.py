@@ -15,6 +15,8 @@ hermes --enable-auto-tool-choice` (what `pdserve up` runs):
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +31,7 @@ import pytest
 from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
-from tests.integration.services.router_util import ServedRouter, serving
+from tests.integration.services.router_util import IN_LOOP_LOAD_TIMEOUT_S, ServedRouter, serving
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 TOOLS_ON = {"chat_template": "hermes_tools", "tool_call_parser": "hermes", "enable_auto_tool_choice": True}
@@ -49,7 +51,8 @@ KEYS = ("key-a", "key-b")
 def routers(workers: dict[str, WorkerServer], model_dir: Path) -> Iterator[dict[str, ServedRouter]]:
     def config(prefill: tuple[str, ...], decode: str, **kw: Any) -> RouterConfig:
         return RouterConfig(model="m", tokenizer=str(model_dir), max_model_len=512, **TOOLS_ON, **kw,
-                            dispatch=DispatchOptions(prefill=prefill, decode=(decode,), decode_timeout_s=60))
+                            dispatch=DispatchOptions(prefill=prefill, decode=(decode,), decode_timeout_s=60,
+                          load_timeout_s=IN_LOOP_LOAD_TIMEOUT_S))
 
     split = ((workers["prefill"].target,), workers["decode"].target)
     colocated = ((), workers["colocated"].target)
@@ -255,14 +258,18 @@ async def test_a_tenant_never_sees_another_tenants_responses(routers: dict[str, 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_the_agents_sdk_default_agent_calls_a_function_tool(
         routers: dict[str, ServedRouter], stream: bool, model_dir: Path, calm: dict[str, float]) -> None:
-    import agents
-
     from engine.model.loader import load_tokenizer
+
+    # The workers serve on this loop: importing the SDK (seconds) or loading a tokenizer on it
+    # would leave their load reports unanswered, and the router takes a worker that misses five
+    # in a row for a frozen one (a 503). Both run in a thread.
+    await asyncio.to_thread(importlib.import_module, "agents")
+    import agents
 
     # The SDK takes a reply cut at max_tokens for a model error: the call's JSON gets no free
     # whitespace (`calm`) and its city is an enum, and EOS is favoured, so the random model's
     # answer after the call ends at once (an empty message).
-    eos = load_tokenizer(str(model_dir)).eos_token_id
+    eos = (await asyncio.to_thread(load_tokenizer, str(model_dir))).eos_token_id
     extra = {"logit_bias": {**calm, str(eos): 50.0}}
 
     calls: list[str] = []

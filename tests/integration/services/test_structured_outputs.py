@@ -28,7 +28,7 @@ from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.client import WorkerClient, WorkerError
 from services.worker.server import WorkerServer
-from tests.integration.services.router_util import ServedRouter
+from tests.integration.services.router_util import IN_LOOP_LOAD_TIMEOUT_S, ServedRouter
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny"
@@ -117,8 +117,10 @@ def routers(workers: dict[str, WorkerServer], model_dir: Path) -> Iterator[dict[
     """"split" (prefill -> KV store -> decode), "colocated", and "down" (its one decode target has
     nothing listening: every request that reaches a worker is a 503)."""
     dispatch = {"split": DispatchOptions(prefill=(workers["prefill"].target,),
-                                         decode=(workers["decode"].target,), decode_timeout_s=60),
-                "colocated": DispatchOptions(decode=(workers["colocated"].target,), decode_timeout_s=60),
+                                         decode=(workers["decode"].target,), decode_timeout_s=60,
+                          load_timeout_s=IN_LOOP_LOAD_TIMEOUT_S),
+                "colocated": DispatchOptions(decode=(workers["colocated"].target,), decode_timeout_s=60,
+                          load_timeout_s=IN_LOOP_LOAD_TIMEOUT_S),
                 "down": DispatchOptions(decode=(f"127.0.0.1:{free_port()}",))}
     configs = {name: RouterConfig(model=MODEL, tokenizer=str(model_dir), max_model_len=512, dispatch=d)
                for name, d in dispatch.items()}
