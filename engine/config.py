@@ -107,7 +107,12 @@ class EngineConfig:
     scheduling_policy: Literal["fcfs", "priority", "sjf"] = "fcfs"
     sjf_max_wait_s: float = 10.0
     seed: int = 0
-    num_threads: int | None = None
+    num_threads: int | None = None  # under tensor parallelism: per rank (default: cores / ranks)
+    # Tensor parallelism (engine/parallel/): the model split over this many processes on this
+    # host (gloo on the CPU), one rank each. `tp_timeout_s`: how long a rank waits for the others
+    # in a collective (a rank that hangs fails the step after it, and the engine restarts).
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 60.0
     # Structured outputs: "auto" picks xgrammar, else llguidance for what xgrammar cannot compile
     # (as vLLM); "xgrammar" / "guidance" use only that one.
     structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = "auto"
@@ -171,6 +176,13 @@ class EngineConfig:
                f"{self.structured_outputs_backend!r}")
         if self.num_threads is not None:
             _check(self.num_threads >= 1, "num_threads", f"must be at least 1, got {self.num_threads}")
+        _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
+               f"must be in [1, 64], got {self.tensor_parallel_size}")
+        _check(self.tp_timeout_s > 0, "tp_timeout_s", f"must be positive, got {self.tp_timeout_s}")
+        if self.tensor_parallel_size > 1:
+            _check(self.device == "cpu", "tensor_parallel_size",
+                   "more than 1 runs on the CPU (gloo) in this version; the CUDA path (nccl, one "
+                   "GPU a rank) is not built yet")
 
     def resolved(self, model_max_len: int) -> EngineConfig:
         """This config with `max_model_len` fixed against the model's own limit."""

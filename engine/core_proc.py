@@ -45,6 +45,7 @@ from engine.serial import (
 
 logger = logging.getLogger(__name__)
 _WAKE = b"wake"  # internal: from the core's own threads, never from the socket (a no-op)
+_RANK_DIED = b"rank_died"  # internal: a tensor-parallel rank of this core exited
 
 
 
@@ -95,6 +96,9 @@ class EngineCoreProc:
         self._step_started: float | None = None  # monotonic time the step under way began
         # a KV load that finishes wakes a loop waiting for input (it steps again at once)
         core.set_wakeup(lambda: self._inputs.put((_WAKE, None)))
+        # a tensor-parallel rank that dies stops this core (its front end restarts the engine)
+        if core.tp_executor is not None:
+            core.tp_executor.on_failure = lambda why: self._inputs.put((_RANK_DIED, why))
 
     def run(self) -> None:
         reader = threading.Thread(target=self._read_inputs, name="core-input", daemon=True)
@@ -166,6 +170,10 @@ class EngineCoreProc:
             self._outputs.put((STATS, self.core.get_stats()))
         elif kind == SHUTDOWN:
             return False
+        elif kind == _RANK_DIED:
+            from engine.parallel.executor import RankFailed
+
+            raise RankFailed(payload)
         return True
 
     def _read_inputs(self) -> None:

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,7 +19,6 @@ from engine.config import EngineConfig
 from engine.connector.keys import ForeignKeys, key_scheme
 from engine.connector.transfer_params import check_transfer_params
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.kv_layout import KVCacheLayout, make_layout, single_group
 from engine.core.outputs import (
     STEP_SECONDS_BUCKETS,
     EngineCoreOutputs,
@@ -30,14 +29,23 @@ from engine.core.outputs import (
 )
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.kv_cache_sizing import CpuBudget, cpu_available_bytes, num_kv_blocks
+from engine.kv_cache_sizing import (
+    check_cache_holds_one_request,
+    cpu_available_bytes,
+    engine_kv_blocks,
+    fit_model_len,
+    kv_layout,
+)
 from engine.structured.backends import Matcher, XgrammarMatcher
 from engine.structured.bitmask import GrammarBitmask
 from engine.structured.manager import StructuredOutputManager
 
+if TYPE_CHECKING:
+    from engine.parallel.executor import TPExecutor
+
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EngineCore:
@@ -46,6 +54,28 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.last_step_idle = False
         self.idle_wait_s = 0.001
+        self.tp_executor: TPExecutor | None = None
+        if config.tensor_parallel_size > 1:
+            from engine.model.loader import load_config, resolve_model_path
+            from engine.model.models import options_for
+            from engine.parallel.executor import TPExecutor
+            from engine.parallel.shard import Shard
+
+            # a model the ranks cannot split is refused before any rank starts
+            Shard(options_for(load_config(resolve_model_path(config.model))), 0, config.tensor_parallel_size)
+            # the other ranks start first (they load their shards while this one loads its own)
+            self.tp_executor = TPExecutor(config)
+            torch.set_num_threads(TPExecutor.threads(config))
+        elif config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        try:
+            self._build(config)
+        except BaseException:
+            if self.tp_executor is not None:
+                self.tp_executor.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         from engine.attention.selector import backend_for_device
         from engine.model.loader import (
             load_model,
@@ -55,23 +85,23 @@ class EngineCore:
         )
         from engine.runner import ModelRunner
 
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
-        dtype = _DTYPES[config.dtype]
+        dtype = DTYPES[config.dtype]
         device = torch.device(config.device)
         backend = backend_for_device(device, config.attention_backend)
         free_before_load = (torch.cuda.mem_get_info(device)[0] if device.type == "cuda"
                             else cpu_available_bytes())
         path = resolve_model_path(config.model)
-        model, hf_config = load_model(path, dtype, backend, device)
+        executor = self.tp_executor
+        model, hf_config = load_model(path, dtype, backend, device,
+                                      None if executor is None else executor.tp)
         chosen_len = config.max_model_len
         config = config.resolved(model_max_len(hf_config))
         layout = kv_layout(model, config)
-        num_blocks = _num_blocks(config, model, layout, dtype, device, free_before_load)
+        num_blocks = engine_kv_blocks(config, model, layout, dtype, device, free_before_load)
         if chosen_len is None:  # the model's limit, unless the cache cannot hold one request of it
-            config = _fit_model_len(config, num_blocks, layout, model_max_len(hf_config))
-        _check_cache_holds_one_request(config, num_blocks, layout)
+            config = fit_model_len(config, num_blocks, layout, model_max_len(hf_config))
+        check_cache_holds_one_request(config, num_blocks, layout)
         self.kv_layout = layout
         self.config = config
         self.model_path = path
@@ -81,10 +111,13 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.runner = ModelRunner(
             model, config.block_size, num_blocks, config.max_num_seqs, config.model_len,
-            config.max_num_batched_tokens, dtype, device, _eos_token_id(hf_config), config.seed,
+            config.max_num_batched_tokens, dtype, device, eos_token_id_of(hf_config), config.seed,
             layout)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs)
+        # every rank's cache (rank 0's connector moves them all); the other ranks build theirs
+        rank_caches = [self.runner.kv_caches] if executor is None else executor.start(
+            self.runner, config.model_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
                                                config.enable_prefix_caching,
                                                group_windows=layout.windows)
@@ -95,12 +128,14 @@ class EngineCore:
         # Grammars compile in the manager's threads; its tokenizer loads with the first one.
         self.structured = StructuredOutputManager(
             str(resolve_model_path(config.tokenizer) if config.tokenizer else path), model.vocab_size,
-            _eos_token_id(hf_config), config.structured_outputs_backend)
+            eos_token_id_of(hf_config), config.structured_outputs_backend)
         if config.kv_connector is not None:
             from engine.connector.factory import make_kvstore_connector
 
             sched_half, worker_half = make_kvstore_connector(config, model.num_layers)
             self.scheduler.connector = sched_half
+            full = model.shard.full if model.shard is not None else model.opts
+            worker_half.register_rank_caches(rank_caches, full.num_kv_heads)
             self.runner.set_connector(worker_half)
         logger.info("engine core ready: %s on %s (%s attention), %d KV blocks of %d tokens "
                     "(%d KV cache group(s) of %d layers), max_model_len %d", path, device,
@@ -155,7 +190,11 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         grammar = self._grammar_bitmask(scheduler_output.structured_output_request_ids)
         try:
+            if self.tp_executor is not None:
+                self.tp_executor.before_step(scheduler_output)
             runner_output = self.runner.execute_model(scheduler_output, grammar)
+            if self.tp_executor is not None:
+                self.tp_executor.after_step(runner_output)
         finally:
             if grammar is not None:
                 grammar.settle()  # the fill thread is done with the matchers before they advance
@@ -261,6 +300,8 @@ class EngineCore:
             self.scheduler.connector.shutdown()
         if self.runner.connector is not None:
             self.runner.connector.shutdown()
+        if self.tp_executor is not None:
+            self.tp_executor.shutdown()
 
     def _validate(self, request: EngineCoreRequest) -> None:
         n = len(request.prompt_token_ids)
@@ -289,82 +330,6 @@ class EngineCore:
                     :params.get("num_tokens", 0)], request.cache_salt)
 
 
-def _num_blocks(config: EngineConfig, model: Any, layout: KVCacheLayout, dtype: torch.dtype,
-                device: torch.device, free_before_load: int | None) -> int:
-    """KV blocks for this engine; on CUDA without an explicit size, profiled (vLLM's rule)."""
-    available, cpu_budget = None, None
-    if device.type == "cpu":
-        assert free_before_load is not None
-        cpu_budget = CpuBudget.measure(at_start=free_before_load)
-    elif device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_gib is None:
-        from engine.gpu_profile import run_profile_step
-        from engine.kv_cache_sizing import profile_gpu_memory
-
-        assert free_before_load is not None
-        profile = profile_gpu_memory(device, free_before_load,
-                                     lambda: run_profile_step(model, config, dtype, device))
-        available = profile.kv_budget(config.gpu_memory_utilization)
-        logger.info("GPU memory: %s -> %.2f GiB for the KV cache", profile, available / 2**30)
-    # a block is a page of `layers_per_block` layers (all of them, unless the model is hybrid)
-    return num_kv_blocks(config, layout.layers_per_block, model.num_kv_heads, model.head_dim, dtype,
-                         available_bytes=available, cpu_budget=cpu_budget,
-                         most_blocks=config.max_num_seqs * layout.blocks_for_one_request(
-                             config.model_len, config.block_size, config.max_num_batched_tokens) + 1)
-
-
-def kv_layout(model: Any, config: EngineConfig) -> KVCacheLayout:
-    """How the model's layers share KV blocks (engine/core/kv_layout.py). Windowed layers free
-    the blocks their window has left (Mistral: every layer; hybrid Gemma 2/3: the local layers'
-    groups, while the global layers keep theirs), except where a connector saves the prompt's
-    KV (a producer saves each chunk from its blocks once computed, which may be after later
-    chunks were scheduled: one group, kept whole); a consumer loads only what its first computed
-    token's window reaches, then frees as it decodes."""
-    windows = tuple(getattr(model, "sliding_windows", ()) or (None,) * model.num_layers)
-    saves = config.kv_connector is not None and config.kv_role != "kv_consumer"
-    if config.disable_hybrid_kv_cache_manager and any(w is None for w in windows):
-        return single_group(len(windows))
-    return make_layout(windows, free_windowed=not saves)
-
-
-def _fit_model_len(config: EngineConfig, num_blocks: int, layout: KVCacheLayout,
-                   model_limit: int) -> EngineConfig:
-    """Where no max_model_len was asked for and the KV cache cannot hold one request of the
-    model's own limit, the longest request the cache holds, said in the log (vLLM stops with an
-    error here instead)."""
-    def fits(n: int) -> bool:
-        return layout.blocks_for_one_request(n, config.block_size,
-                                             config.max_num_batched_tokens) <= num_blocks - 1
-
-    if fits(config.model_len):
-        return config
-    lo, hi = 0, config.model_len  # fits(lo), not fits(hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    holds = lo
-    if holds < 1:
-        return config  # nothing fits: _check_cache_holds_one_request says so
-    logger.warning("the KV cache (%d blocks of %d tokens) cannot hold one request of the model's "
-                   "limit %d: serving max_model_len=%d (set --max-model-len, or raise the KV "
-                   "cache size, to choose)", num_blocks - 1, config.block_size, model_limit, holds)
-    return replace(config, max_model_len=holds)
-
-
-def _check_cache_holds_one_request(config: EngineConfig, num_blocks: int,
-                                   layout: KVCacheLayout) -> None:
-    # a windowed group holds its window's blocks and one step's new tokens, at most
-    needed = layout.blocks_for_one_request(config.model_len, config.block_size,
-                                           config.max_num_batched_tokens)
-    if num_blocks - 1 < needed:
-        pages = ("" if not layout.is_hybrid else
-                 f"; this hybrid model's blocks are pages of {layout.layers_per_block} layers, "
-                 f"{layout.num_groups} KV cache groups each taking their own")
-        raise ValueError(
-            f"the KV cache ({num_blocks - 1} usable blocks of {config.block_size} tokens) cannot "
-            f"hold one request of max_model_len={config.model_len} ({needed} blocks{pages}): "
-            f"raise kv_cache_gib / num_kv_blocks or lower max_model_len")
-
-
 def _finished_loads(runner_output: Any) -> bool:
     kv = runner_output.kv_connector_output
     return kv is not None and bool(kv.finished_recving)
@@ -383,7 +348,7 @@ def _check_awaits_first_token(request: EngineCoreRequest) -> None:
                          "the prefill)")
 
 
-def _eos_token_id(hf_config: object) -> int | None:
+def eos_token_id_of(hf_config: object) -> int | None:
     eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, list):
         return eos[0] if eos else None

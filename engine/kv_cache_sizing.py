@@ -16,14 +16,18 @@ One block holds K and V of `block_size` tokens for every layer."""
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
+from engine.core.kv_layout import KVCacheLayout, make_layout, single_group
 
 logger = logging.getLogger(__name__)
 CPU_KVCACHE_SPACE_ENV = "PDSERVE_CPU_KVCACHE_SPACE"  # GiB, for every engine of a host
@@ -192,3 +196,114 @@ def profile_gpu_memory(device: torch.device, free_before_load: int,
     used_by_others = total - free_before_load
     non_torch = max(0, (total - free) - used_by_others - torch.cuda.memory_reserved(device))
     return GpuMemoryProfile(total, used_by_others, peak, non_torch)
+
+
+def engine_kv_blocks(config: EngineConfig, model: Any, layout: KVCacheLayout, dtype: torch.dtype,
+                device: torch.device, free_before_load: int | None) -> int:
+    """KV blocks for this engine; on CUDA without an explicit size, profiled (vLLM's rule)."""
+    available, cpu_budget = None, None
+    if device.type == "cpu":
+        assert free_before_load is not None
+        cpu_budget = CpuBudget.measure(at_start=free_before_load)
+    elif device.type == "cuda" and config.num_kv_blocks is None and config.kv_cache_gib is None:
+        from engine.gpu_profile import run_profile_step
+        from engine.kv_cache_sizing import profile_gpu_memory
+
+        assert free_before_load is not None
+        profile = profile_gpu_memory(device, free_before_load,
+                                     lambda: run_profile_step(model, config, dtype, device))
+        available = profile.kv_budget(config.gpu_memory_utilization)
+        logger.info("GPU memory: %s -> %.2f GiB for the KV cache", profile, available / 2**30)
+    # a block is a page of `layers_per_block` layers (all of them, unless the model is hybrid)
+    # on the CPU the ranks of a tensor-parallel engine share this host's memory: every rank's
+    # shard of a block counts
+    kv_heads = model.num_kv_heads * (config.tensor_parallel_size if device.type == "cpu" else 1)
+    return num_kv_blocks(config, layout.layers_per_block, kv_heads, model.head_dim, dtype,
+                         available_bytes=available, cpu_budget=cpu_budget,
+                         most_blocks=config.max_num_seqs * layout.blocks_for_one_request(
+                             config.model_len, config.block_size, config.max_num_batched_tokens) + 1)
+
+
+def kv_layout(model: Any, config: EngineConfig) -> KVCacheLayout:
+    """How the model's layers share KV blocks (engine/core/kv_layout.py). Windowed layers free
+    the blocks their window has left (Mistral: every layer; hybrid Gemma 2/3: the local layers'
+    groups, while the global layers keep theirs), except where a connector saves the prompt's
+    KV (a producer saves each chunk from its blocks once computed, which may be after later
+    chunks were scheduled: one group, kept whole); a consumer loads only what its first computed
+    token's window reaches, then frees as it decodes."""
+    windows = tuple(getattr(model, "sliding_windows", ()) or (None,) * model.num_layers)
+    saves = config.kv_connector is not None and config.kv_role != "kv_consumer"
+    if config.disable_hybrid_kv_cache_manager and any(w is None for w in windows):
+        return single_group(len(windows))
+    return make_layout(windows, free_windowed=not saves)
+
+
+def fit_model_len(config: EngineConfig, num_blocks: int, layout: KVCacheLayout,
+                   model_limit: int) -> EngineConfig:
+    """Where no max_model_len was asked for and the KV cache cannot hold one request of the
+    model's own limit, the longest request the cache holds, said in the log (vLLM stops with an
+    error here instead)."""
+    def fits(n: int) -> bool:
+        return layout.blocks_for_one_request(n, config.block_size,
+                                             config.max_num_batched_tokens) <= num_blocks - 1
+
+    if fits(config.model_len):
+        return config
+    lo, hi = 0, config.model_len  # fits(lo), not fits(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    holds = lo
+    if holds < 1:
+        return config  # nothing fits: _check_cache_holds_one_request says so
+    logger.warning("the KV cache (%d blocks of %d tokens) cannot hold one request of the model's "
+                   "limit %d: serving max_model_len=%d (set --max-model-len, or raise the KV "
+                   "cache size, to choose)", num_blocks - 1, config.block_size, model_limit, holds)
+    return replace(config, max_model_len=holds)
+
+
+def check_cache_holds_one_request(config: EngineConfig, num_blocks: int,
+                                   layout: KVCacheLayout) -> None:
+    # a windowed group holds its window's blocks and one step's new tokens, at most
+    needed = layout.blocks_for_one_request(config.model_len, config.block_size,
+                                           config.max_num_batched_tokens)
+    if num_blocks - 1 < needed:
+        pages = ("" if not layout.is_hybrid else
+                 f"; this hybrid model's blocks are pages of {layout.layers_per_block} layers, "
+                 f"{layout.num_groups} KV cache groups each taking their own")
+        raise ValueError(
+            f"the KV cache ({num_blocks - 1} usable blocks of {config.block_size} tokens) cannot "
+            f"hold one request of max_model_len={config.model_len} ({needed} blocks{pages}): "
+            f"raise kv_cache_gib / num_kv_blocks or lower max_model_len")
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero KV cache tensor. On the CPU it lies in an anonymous memory map: the kernel hands
+    out zero pages as they are first written, so a cache of many GiB (the CPU default is a share
+    of free memory) costs nothing at start and memory only as blocks are used, where
+    `torch.zeros` would write every byte up front (~9 s for 11 GiB on 2 cores)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(area, dtype=torch.uint8).view(dtype).view(shape)  # keeps `area` alive
+
+
+def shared_cache_file(nbytes: int) -> int:
+    """A file descriptor of `nbytes` of anonymous shared memory (memfd: not /dev/shm, whose size
+    a container caps), for a tensor-parallel rank's KV cache that rank 0 maps too. Pages are
+    allocated as they are first written, as for `zeroed_cache`."""
+    fd = os.memfd_create("pdserve-kv-cache", os.MFD_CLOEXEC)
+    os.ftruncate(fd, max(1, nbytes))
+    return fd
+
+
+def mapped_caches(fd: int, count: int, shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """`count` zero KV cache tensors of `shape`, side by side in the shared memory of `fd`."""
+    each = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    area = mmap.mmap(fd, max(1, each * count), flags=mmap.MAP_SHARED,
+                     prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    flat = torch.frombuffer(area, dtype=torch.uint8)  # keeps `area` alive
+    return [flat[i * each:(i + 1) * each].view(dtype).view(shape) for i in range(count)]

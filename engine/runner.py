@@ -10,8 +10,6 @@ tokens; a partial (chunked) prefill samples nothing.
 
 from __future__ import annotations
 
-import math
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
@@ -28,6 +26,7 @@ from engine.core.outputs import (
     SchedulerOutput,
 )
 from engine.cuda_graphs import DecodeGraphs
+from engine.kv_cache_sizing import mapped_caches, zeroed_cache
 from engine.sample.logprobs import sampled_logprobs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.prompt_logprobs import prompt_logprobs
@@ -101,20 +100,6 @@ class _Batch:
     row_starts: np.ndarray  # [num_reqs] int64: each one's first row in the flattened batch
 
 
-def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero KV cache tensor. On the CPU it lies in an anonymous memory map: the kernel hands
-    out zero pages as they are first written, so a cache of many GiB (the CPU default is a share
-    of free memory) costs nothing at start and memory only as blocks are used, where
-    `torch.zeros` would write every byte up front (~9 s for 11 GiB on 2 cores)."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(area, dtype=torch.uint8).view(dtype).view(shape)  # keeps `area` alive
-
-
 class ModelRunner:
     """Owns the KV caches and per-request state; `execute_model` runs one step."""
 
@@ -131,6 +116,7 @@ class ModelRunner:
         eos_token_id: int | None,
         seed: int,
         layout: KVCacheLayout | None = None,
+        kv_cache_fd: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -146,11 +132,12 @@ class ModelRunner:
         if len(self.layout.layer_group) != model.num_layers:
             raise ValueError(f"the KV cache layout has {len(self.layout.layer_group)} layers, the "
                              f"model {model.num_layers}")
-        shared = [
-            zeroed_cache((num_blocks, 2, block_size, model.num_kv_heads, model.head_dim), dtype,
-                         self.device)
-            for _ in range(self.layout.layers_per_block)
-        ]  # each [num_blocks, 2, block_size, num_kv_heads, head_dim]
+        shape = (num_blocks, 2, block_size, model.num_kv_heads, model.head_dim)
+        # each [num_blocks, 2, block_size, num_kv_heads, head_dim]; in the shared memory of
+        # `kv_cache_fd` where given (a tensor-parallel rank's, which rank 0's connector moves)
+        shared = ([zeroed_cache(shape, dtype, self.device) for _ in range(self.layout.layers_per_block)]
+                  if kv_cache_fd is None else mapped_caches(kv_cache_fd, self.layout.layers_per_block,
+                                                            shape, dtype))
         # per layer: the tensor of its slot (a hybrid model's groups share them, by block id)
         self.kv_caches = [shared[slot] for slot in self.layout.layer_slot]
         pin = self.device.type == "cuda"
@@ -163,6 +150,13 @@ class ModelRunner:
         self._copies_done: torch.cuda.Event | None = None
         self.decode_graphs: DecodeGraphs | None = None
         self.connector: KVConnectorWorker | None = None
+        # False on tensor-parallel ranks other than 0: they run the forward and the logits
+        # (collectives) and sample nothing; rank 0's tokens reach them with the next step.
+        self.samples = True
+        # Tensor parallelism, a step with layer-wise KV loads: called before each layer on every
+        # rank (after rank 0 waited for the layer's load), so no rank reads a layer before rank
+        # 0's connector wrote it into every rank's cache.
+        self.layer_sync: Callable[[int], None] | None = None
 
     def set_connector(self, connector: KVConnectorWorker) -> None:
         """The worker half of a KV connector; it sees the KV caches and every step."""
@@ -192,6 +186,13 @@ class ModelRunner:
             for ids, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
                 ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def append_sampled(self, sampled: dict[str, int]) -> None:
+        """Tensor-parallel ranks other than 0: the tokens rank 0 sampled in the last step."""
+        for req_id, token in sampled.items():
+            state = self.requests.get(req_id)
+            if state is not None:
+                state.append_token(token)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         num_tokens = len(new.token_ids)
@@ -249,15 +250,18 @@ class ModelRunner:
         elif connector is not None:
             caches = self.kv_caches
             hidden = self.model(batch.input_ids, batch.positions, caches, batch.metadata,
-                                before_layer=connector.wait_for_layer_load,
+                                before_layer=_then(connector.wait_for_layer_load, self.layer_sync),
                                 after_layer=lambda i: connector.save_kv_layer(i, caches[i]),
                                 layer_metadata=batch.layer_metadata)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.metadata,
+                                before_layer=self.layer_sync,
                                 layer_metadata=batch.layer_metadata)  # [num_tokens, hidden]
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
         logprobs: list[LogprobsEntry | None] = [None] * len(batch.req_ids)
-        if batch.sample_req_idx:
+        if batch.sample_req_idx and not self.samples:
+            self.model.compute_logits(hidden[batch.logits_rows])  # its part of the gather
+        elif batch.sample_req_idx:
             logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_sampled, vocab]
             states = [self.requests[batch.req_ids[i]] for i in batch.sample_req_idx]
             argmax_fix = None if grammar is None else self._apply_grammar(logits, states, grammar)
@@ -413,3 +417,14 @@ class ModelRunner:
             state.append_token(token_ids[row])
             sampled[i] = [token_ids[row]]
             logprobs[i] = entries[row]
+
+
+def _then(first: Callable[[int], None], then: Callable[[int], None] | None) -> Callable[[int], None]:
+    if then is None:
+        return first
+
+    def both(layer: int) -> None:
+        first(layer)
+        then(layer)
+
+    return both

@@ -27,5 +27,6 @@ def make_kvstore_connector(config: EngineConfig, num_layers: int
                                     save_wait_s=config.kv_save_wait_s,
                                     integrity_key=load_integrity_key(),
                                     load_wait_s=config.kv_load_wait_s,
-                                    breaker_s=config.kv_store_timeout_s)
+                                    breaker_s=config.kv_store_timeout_s,
+                                    world=config.tensor_parallel_size)
     return sched, worker

@@ -46,21 +46,26 @@ class ForeignKeys(ValueError):
 
 def key_scheme(config: EngineConfig) -> KeyScheme:
     """What an engine with `config` stores a prompt's KV under (producers and consumers alike)."""
-    return KeyScheme(store_model_name(config.model), config.dtype, config.kv_chunk_size)
+    return KeyScheme(store_model_name(config.model), config.dtype, config.kv_chunk_size,
+                     config.tensor_parallel_size)
 
 
 @dataclass(frozen=True)
 class KeyScheme:
+    """`chunk_keys` are rank 0's keys (worker id 0) with the engine's tensor-parallel size as the
+    world size; each rank's object of a chunk is under its own worker id (kv_shards.rank_key)."""
+
     model_name: str
     dtype: str
     chunk_size: int
+    world_size: int = 1
 
     def chunk_keys(self, token_ids: Sequence[int], salt: str | None) -> list[str]:
         """One LMCache key per chunk of `token_ids` (the last, shorter one too)."""
         from kvstore.lmcache_format import NONE_HASH, CacheEngineKey, chunk_hashes, salt_prefix_hash
 
         first = salt_prefix_hash(salt) if salt is not None else NONE_HASH
-        return [CacheEngineKey(self.model_name, 1, 0, h, self.dtype).to_string()
+        return [CacheEngineKey(self.model_name, self.world_size, 0, h, self.dtype).to_string()
                 for h in chunk_hashes(token_ids, self.chunk_size, save_unfull_chunk=True,
                                       prefix_hash=first)]
 
@@ -87,10 +92,18 @@ class KeyScheme:
             if (first.model_name, first.dtype) != (mine.model_name, mine.dtype):
                 raise ForeignKeys(f"kv_transfer_params.keys are for model {first.model_name!r} in "
                                   f"{first.dtype}, this engine stores {mine.model_name!r} in {mine.dtype}")
-        own = self.chunk_keys(token_ids, salt)
+        # another TP size's keys (world size, worker id) name the same chunks
+        own = [_rank_free(k) for k in self.chunk_keys(token_ids, salt)]
+        keys = [_rank_free(str(k)) for k in keys]
         if list(keys) != own[:len(keys)]:
             bad = next(i for i, (k, o) in enumerate(zip(keys, own, strict=False)) if k != o) \
                 if len(keys) <= len(own) else len(own)
             raise ValueError(f"kv_transfer_params.keys[{bad}]: not the key of the prompt's tokens "
                              f"(LMCache's chunk hash of its token ids, its cache_salt included): "
                              f"KV of another prompt")
+
+
+def _rank_free(key: str) -> str:
+    """A chunk key without its world size and worker id (a malformed key stays as it is)."""
+    parts = key.split("@")
+    return "@".join([parts[0], *parts[3:]]) if len(parts) >= 5 else key

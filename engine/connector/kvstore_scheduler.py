@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from engine.connector.base import KVConnectorOutput, KVConnectorScheduler
 from engine.connector.keys import KeyScheme
+from engine.connector.kv_shards import every_rank, rank_key, world_of
 from engine.connector.kvstore_meta import KVStoreConnectorMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
@@ -123,7 +124,10 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         if tracked.transfer.get("do_remote_prefill"):
             # The producer's prompt is the first num_tokens of ours: its keys are ours for them.
             n = min(int(tracked.transfer.get("num_tokens", 0)), len(tracked.prompt_ids))
-            keys = self.scheme.chunk_keys(tracked.prompt_ids[:n], tracked.salt)
+            # under the producer's tensor-parallel size (its objects are its ranks' head shards)
+            source = _source_world(tracked.transfer)
+            keys = [rank_key(k, source, 0)
+                    for k in self.scheme.chunk_keys(tracked.prompt_ids[:n], tracked.salt)]
             digests = self.scheme.token_digests(tracked.prompt_ids[:n], tracked.salt)
             # the producer names its keys once it is done; before that it saves them all
             available = n if awaiting else min(n, len(tracked.transfer.get("keys", [])) * self.chunk_size)
@@ -223,7 +227,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         if not tracked.transfer.get("keys"):  # an early hand-off's producer has not named them yet
             return
         tracked.released = True
-        keys = self.layer_keys([str(k) for k in tracked.transfer.get("keys", [])])
+        keys = every_rank(self.layer_keys([str(k) for k in tracked.transfer.get("keys", [])]))
         self._background("releasing transfer", tracked.transfer.get("transfer_id"),
                          lambda: self.client.release(keys))
 
@@ -292,7 +296,7 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         if not (self.saves and params.get("do_remote_decode")) or request.status.name == "FINISHED_ABORTED":
             return False, None
         keys = tracked.keys or self.scheme.chunk_keys(tracked.prompt_ids, tracked.salt)
-        layer_keys, lease_s = self.layer_keys(keys), self.options.lease_s
+        layer_keys, lease_s = every_rank(self.layer_keys(keys)), self.options.lease_s
         leasing = self._background("leasing the KV of", request.request_id,
                                    lambda: self.client.lease(layer_keys, lease_s))
         # Leased before the consumer hears of it (its release must come after): ~1 ms; a store
@@ -302,7 +306,16 @@ class KVStoreConnectorScheduler(KVConnectorScheduler):
         return False, {"do_remote_prefill": True, "keys": keys,
                        "num_tokens": request.num_prompt_tokens,
                        "transfer_id": params.get("transfer_id", request.request_id),
-                       "kv_store_url": self.options.store_url}
+                       "kv_store_url": self.options.store_url, "tp_size": self.scheme.world_size}
 
     def shutdown(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+def _source_world(transfer: dict[str, Any]) -> int:
+    """The producer's tensor-parallel size: its `tp_size`, else its keys' world size (1 without
+    either: a producer from before tensor parallelism)."""
+    if transfer.get("tp_size"):
+        return int(transfer["tp_size"])
+    keys = transfer.get("keys") or []
+    return world_of(str(keys[0])) if keys else 1

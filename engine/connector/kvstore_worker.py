@@ -17,6 +17,11 @@ the producer is still saving: it takes each object as it appears (engine/connect
 until all are in, await_s has passed since the first token came, or the request is aborted.
 A missing, short or mismatched object truncates what counts as loaded to the tokens before it,
 which the scheduler then recomputes (or fails, by policy).
+Tensor parallelism (engine/parallel/, kv_shards.py): on the CPU every rank's KV cache is in shared
+memory, and rank 0's connector moves all of them: each rank's head shard is saved under that
+rank's key (world size and worker id), and a load reads the objects of the producer's ranks
+(its TP size from the load's keys), joins their heads and writes each rank's share into that
+rank's cache, whatever the two TP sizes.
 Integrity (kvstore/integrity.py): the sender puts every object with its checksum (keyed BLAKE3
 with the integrity key from PDSERVE_KV_INTEGRITY_KEY, plain BLAKE3 without one); a loaded
 object whose checksum does not verify, or that has none while a key is configured, counts as
@@ -41,6 +46,15 @@ from engine.connector.base import KVConnectorOutput, KVConnectorWorker
 from engine.connector.kv_await import AwaitingLoads, LoadState
 from engine.connector.kv_copy import WorkerTimings, gather_tokens, scatter_tokens
 from engine.connector.kv_layerwise import LayerwiseLoads
+from engine.connector.kv_shards import (
+    HeadSplit,
+    ShardLayout,
+    ShardParts,
+    ShardReader,
+    assemble,
+    rank_key,
+    shard_of,
+)
 from engine.connector.kvstore_meta import KVStoreConnectorMetadata, LoadSpec
 from engine.core.outputs import KVTransferStats
 from kvstore import integrity
@@ -59,8 +73,10 @@ class KVStoreConnectorWorker(KVConnectorWorker):
     def __init__(self, make_client: Callable[[], Any], chunk_size: int,
                  stream_layers: bool = True, save_wait_s: float | None = None,
                  integrity_key: bytes | None = None, load_wait_s: float | None = None,
-                 breaker_s: float = 10.0) -> None:
+                 breaker_s: float = 10.0, world: int = 1) -> None:
         self.chunk_size = chunk_size
+        self.shards = ShardLayout(world)
+        self.rank_caches: list[list[torch.Tensor]] = []  # per rank, per layer (rank 0's first)
         # A store that failed a call (or a step's wait) is not waited on for this long after:
         # saves go on behind the step, layer-wise loads fail at once (as the client's breaker).
         self.breaker_s = breaker_s
@@ -77,7 +93,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._stats = KVTransferStats()
         self._stats_lock = threading.Lock()  # loader, layer loader and sender threads update it
         self._send_client = make_client()
-        self._load_client = make_client()
+        self._load_client = ShardReader(make_client(), self.shards)
         self.kv_caches: list[torch.Tensor] = []
         self.layer_group: list[int] = []  # per layer, its KV cache group
         self._meta = KVStoreConnectorMetadata()
@@ -89,14 +105,25 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self._sender.start()
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kv-loader")
         self._loads: dict[str, tuple[LoadSpec, Future[tuple[int, str | None]]]] = {}
-        self._awaiter = AwaitingLoads(make_client(), self._apply, self._record_load, self._store_failed)
+        self._awaiter = AwaitingLoads(ShardReader(make_client(), self.shards), self._apply,
+                                      self._record_load, self._store_failed)
         self._wakeup: Callable[[], None] = _nothing
-        self._layerwise = LayerwiseLoads(make_client(), self._apply, self._chunks, self._record_load,
-                                         self._store_down, self._store_failed, load_wait_s, breaker_s)
+        self._layerwise = LayerwiseLoads(ShardReader(make_client(), self.shards), self._apply, self._chunks,
+                                         self._record_load, self._store_down, self._store_failed,
+                                         load_wait_s, breaker_s)
 
     def register_kv_caches(self, kv_caches: list[Any], layer_group: list[int] | None = None) -> None:
         self.kv_caches = list(kv_caches)
         self.layer_group = list(layer_group) if layer_group is not None else [0] * len(kv_caches)
+        if not self.rank_caches:
+            self.register_rank_caches([self.kv_caches], int(self.kv_caches[0].shape[3]))
+
+    def register_rank_caches(self, rank_caches: list[list[torch.Tensor]], kv_heads: int) -> None:
+        """Tensor parallelism: every rank's caches (shared memory), and the model's KV heads."""
+        if len(rank_caches) != self.shards.world:
+            raise ValueError(f"{len(rank_caches)} ranks' caches for a world of {self.shards.world}")
+        self.rank_caches = rank_caches
+        self.shards.kv_heads, self.shards.head_dim = kv_heads, int(rank_caches[0][0].shape[4])
 
     def bind_connector_metadata(self, metadata: Any) -> None:
         self._meta = metadata if metadata is not None else KVStoreConnectorMetadata()
@@ -111,12 +138,17 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         from kvstore.lmcache_format import MemoryFormat, RemoteMetadata
 
         items = []
+        world = self.shards.world
         for spec in self._meta.saves:
+            blocks = spec.block_ids[self.layer_group[layer]]
             for chunk, start, end in spec.chunks:
-                data = gather_tokens(kv_cache, spec.block_ids[self.layer_group[layer]], start, end)
-                meta = RemoteMetadata.single(tuple(data.shape), data.dtype, MemoryFormat.KV_T2D).pack()
-                items.append((f"{spec.chunk_keys[chunk]}@{layer}", meta, data.view(torch.uint8).numpy(),
-                              _digest(spec.token_digests, chunk)))
+                chunk_key = spec.chunk_keys[chunk]
+                for rank, caches in enumerate(self.rank_caches):  # each rank's head shard
+                    data = gather_tokens(caches[layer], blocks, start, end)
+                    meta = RemoteMetadata.single(tuple(data.shape), data.dtype, MemoryFormat.KV_T2D).pack()
+                    key = rank_key(chunk_key, world, rank) if world > 1 else chunk_key
+                    items.append((f"{key}@{layer}", meta, data.view(torch.uint8).numpy(),
+                                  _digest(spec.token_digests, chunk)))
         if not self.stream_layers:
             self._held.extend(items)
             return
@@ -236,43 +268,41 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         return list(range(self._group_start(spec, layer) // cs, (spec.end - 1) // cs + 1))
 
     def _apply(self, spec: LoadSpec, layer: int, c: int, obj: Any, state: LoadState) -> None:
-        """Writes chunk `c` of `layer` from its object; a missing or mismatched object lowers
-        `state.valid` to the tokens before it."""
-        from kvstore.lmcache_format import RemoteMetadata, buffer_to_tensor
+        """Writes chunk `c` of `layer` from its object (or, under tensor parallelism, from its
+        source ranks' objects, a ShardParts) into every rank's cache; a missing or mismatched
+        object lowers `state.valid` to the tokens before it."""
+        from kvstore.lmcache_format import buffer_to_tensor
 
         cs = self.chunk_size
-        kv = self.kv_caches[layer]
-        width = kv.shape[3] * kv.shape[4]
-        if obj is not None:
-            state.nbytes += len(obj.data)
+        if isinstance(obj, ShardParts):
+            parts, source = list(zip(obj.ranks, obj.keys, obj.objects, strict=True)), obj.world
+        else:
+            parts, source = ([] if obj is None else [(0, f"{spec.chunk_keys[c]}@{layer}", obj)]), 1
+        for _, _, o in parts:
+            state.nbytes += len(o.data)
         lo, hi = max(self._group_start(spec, layer), c * cs), min(spec.end, (c + 1) * cs)
         if hi <= lo or lo >= state.valid:
             return
-        problem = None
-        if obj is None:
-            problem = "missing"
-        else:
-            try:
-                meta = RemoteMetadata.unpack(obj.metadata)
-                shape = meta.shapes[0]
-                n = shape[0]
-                if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width)
-                        or meta.dtypes[0] != str(kv.dtype).removeprefix("torch.")
-                        or c * cs + n < hi):
-                    problem = f"does not match ({meta.length} bytes, shape {shape})"
-            except ValueError as exc:
-                problem = f"has bad metadata: {exc}"
-        if problem is None:
-            assert obj is not None
-            problem = self._check_integrity(f"{spec.chunk_keys[c]}@{layer}", obj,
-                                            _digest(spec.token_digests, c))
+        kv = self.rank_caches[0][layer]
+        split = HeadSplit(self.shards.kv_heads, source)
+        problem, n = ("missing", 0) if not parts else (None, 0)
+        for rank, key, o in parts:
+            width = split.of(rank)[1] * self.shards.head_dim
+            problem, n = _check_object(o, width, str(kv.dtype).removeprefix("torch."), c * cs, hi)
+            problem = problem or self._check_integrity(key, o, _digest(spec.token_digests, c))
+            if problem is not None:
+                break
         if problem is not None:
             state.valid = min(state.valid, lo)
             state.error = state.error or f"KV object of chunk {c} layer {layer} {problem}"
             return
-        assert obj is not None
-        data = buffer_to_tensor(obj.data, kv.dtype, (n, 2, width))
-        scatter_tokens(kv, spec.block_ids[self.layer_group[layer]], lo, data[lo - c * cs: hi - c * cs])
+        full = assemble([buffer_to_tensor(o.data, kv.dtype, (n, 2, split.of(r)[1] * self.shards.head_dim))
+                         for r, _, o in parts], split, self.shards.head_dim)
+        mine = HeadSplit(self.shards.kv_heads, self.shards.world)
+        blocks = spec.block_ids[self.layer_group[layer]]
+        for rank, caches in enumerate(self.rank_caches):
+            piece = shard_of(full, mine, rank, self.shards.head_dim)
+            scatter_tokens(caches[layer], blocks, lo, piece[lo - c * cs: hi - c * cs])
 
     def _check_integrity(self, key: str, obj: Any, tokens: bytes) -> str | None:
         """None when the object's checksum verifies for these tokens; else why not (counted and
@@ -344,3 +374,20 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
 def _nothing() -> None:
     pass
+
+
+def _check_object(obj: Any, width: int, dtype: str, first: int, hi: int) -> tuple[str | None, int]:
+    """(what is wrong with a loaded KV object, or None; its token count): LMCache metadata for a
+    KV_T2D tensor [n, 2, width] of `dtype` that reaches token `hi` from token `first`."""
+    from kvstore.lmcache_format import RemoteMetadata
+
+    try:
+        meta = RemoteMetadata.unpack(obj.metadata)
+    except ValueError as exc:
+        return f"has bad metadata: {exc}", 0
+    shape = meta.shapes[0]
+    n = shape[0]
+    if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width) or meta.dtypes[0] != dtype
+            or first + n < hi):
+        return f"does not match ({meta.length} bytes, shape {shape})", n
+    return None, n

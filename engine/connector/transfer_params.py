@@ -40,6 +40,10 @@ def check_transfer_params(params: Any, num_prompt_tokens: int, chunk_size: int) 
         if not isinstance(value, str) or len(value) > MAX_TEXT:
             raise ValueError(f"kv_transfer_params.{name}: must be a string of at most {MAX_TEXT} "
                              f"characters")
+    tp = params.get("tp_size", 1)
+    if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= 64):
+        raise ValueError(f"kv_transfer_params.tp_size: must be an integer in [1, 64] (the producer's "
+                         f"tensor-parallel size) or null, got {tp!r:.60}")
     if params.get("do_remote_prefill"):
         _check_remote_prefill(params, num_prompt_tokens, chunk_size)
 

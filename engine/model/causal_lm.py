@@ -5,6 +5,9 @@ cache tensor per layer and the step's `AttentionMetadata`; it returns the final-
 states of every token. The runner picks the rows it needs and calls `compute_logits`.
 Layers with a sliding window attend to the last `window` positions only (the attention
 backends mask by window); Gemma 3's local and global layers each get their own RoPE.
+Under tensor parallelism (`tp`, engine/parallel/) each rank builds the model of its shard: its
+heads, its MLP and expert slices, its vocabulary rows; `load_weights` takes each checkpoint
+tensor's slice of this rank and `compute_logits` gathers the vocab shards.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from engine.model.mlp import param
 from engine.model.models import options_for
 from engine.model.rope import RotaryEmbedding
 from engine.model.weights import map_name
+from engine.parallel.group import TensorParallel
+from engine.parallel.shard import Shard
 
 LayerHook = Callable[[int], None]
 
@@ -32,10 +37,15 @@ class CausalLM(nn.Module):
     """Decoder-only transformer: embedding, `num_layers` decoder layers, final norm, LM head."""
 
     def __init__(self, hf_config: Any, attn_backend: AttentionBackend,
-                 dtype: torch.dtype = torch.float32, opts: ArchOptions | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, opts: ArchOptions | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = hf_config
-        self.opts = opts = opts or options_for(hf_config)
+        full = opts or options_for(hf_config)
+        self.full_vocab_size = full.vocab_size
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.shard = None if self.tp is None else Shard(full, self.tp.rank, self.tp.size)
+        self.opts = opts = full if self.shard is None else self.shard.options()
         self.dtype = dtype
         self.embed_tokens = param(opts.vocab_size, opts.hidden_size, dtype=dtype)
         max_pos = int(hf_config.max_position_embeddings)
@@ -46,7 +56,7 @@ class CausalLM(nn.Module):
         self._longrope: RotaryEmbedding | None = next(
             (r for r in ropes.values() if r.long_after is not None), None)
         self.layers = nn.ModuleList(
-            DecoderLayer(opts, i, ropes[opts.rope_layer_types[i]], attn_backend, dtype)
+            DecoderLayer(opts, i, ropes[opts.rope_layer_types[i]], attn_backend, dtype, self.tp)
             for i in range(opts.num_layers)
         )
         self.norm = RMSNorm(opts.hidden_size, opts.norm_eps, dtype, opts.gemma_norms)
@@ -68,7 +78,8 @@ class CausalLM(nn.Module):
 
     @property
     def vocab_size(self) -> int:
-        return self.opts.vocab_size
+        """The whole vocabulary (under tensor parallelism a rank holds a shard of it)."""
+        return self.full_vocab_size
 
     @property
     def sliding_windows(self) -> tuple[int | None, ...]:
@@ -90,7 +101,7 @@ class CausalLM(nn.Module):
         are called around layer `i` (e.g. a KV connector waiting for a layer's load, or
         saving a layer's KV as soon as it is written). `layer_metadata[i]`, where given, is layer
         `i`'s (a hybrid model's KV cache groups have their own block tables); else `metadata`."""
-        x = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden]
+        x = self._embed(input_ids)  # [num_tokens, hidden]
         if self.opts.embed_scale is not None:
             x = x * torch.tensor(self.opts.embed_scale, dtype=x.dtype)
         long_tokens = None if self._longrope is None else self._longrope.long_tokens(
@@ -108,9 +119,22 @@ class CausalLM(nn.Module):
             return self.norm(x)
         return self.norm.add_and_norm(residual, x)[1]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(input_ids, self.embed_tokens)
+        # vocab-parallel: this rank's rows; a token of another rank's embeds to zero here
+        first = self.tp.rank * self.opts.vocab_size
+        local = input_ids - first
+        outside = (local < 0) | (local >= self.opts.vocab_size)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """`[n, hidden]` -> float32 logits `[n, vocab_size]` (soft-capped where the model is)."""
+        """`[n, hidden]` -> float32 logits `[n, vocab_size]` (soft-capped where the model is).
+        Under tensor parallelism every rank calls it (it gathers the ranks' vocab shards)."""
         logits = linear(hidden, self.lm_head).float()
+        if self.tp is not None:
+            logits = self.tp.gather_vocab(logits, self.full_vocab_size)
         cap = self.opts.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -125,6 +149,8 @@ class CausalLM(nn.Module):
             if target is None:
                 continue
             name, index = target
+            if self.shard is not None:
+                tensor = self.shard.slice(hf_name, tensor)
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
             dst = params[name].data if index is None else params[name].data[index]

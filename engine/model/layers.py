@@ -4,17 +4,22 @@ configured by `ArchOptions`."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, AttentionMetadata
 from engine.model.arch import ArchOptions
-from engine.model.linear import linear
+from engine.model.linear import linear, row_parallel_linear
 from engine.model.mlp import GatedMLP, bias, param
 from engine.model.moe import SparseMoE
 from engine.model.rope import RotaryEmbedding
 from kernels.cpu import fused_ops
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -54,11 +59,14 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Self-attention with one fused q/k/v projection; K/V go through the paged cache. Optional:
-    per-head q/k norms, a sliding window, logit soft-capping, a custom scale."""
+    per-head q/k norms, a sliding window, logit soft-capping, a custom scale. Under tensor
+    parallelism `opts` holds this rank's heads (engine/parallel/shard.py) and `tp` sums the
+    output projection over the ranks."""
 
     def __init__(self, opts: ArchOptions, layer: int, rope: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.num_heads, self.num_kv_heads = opts.num_heads, opts.num_kv_heads
         self.head_dim = opts.head_dim
         self.scale = opts.scale
@@ -103,7 +111,7 @@ class Attention(nn.Module):
         else:
             out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale,
                                        sliding_window=self.window, logits_soft_cap=self.softcap)
-        return linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias)
+        return row_parallel_linear(out.reshape(n, self.q_size), self.o_weight, self.o_bias, self.tp)
 
 
 class DecoderLayer(nn.Module):
@@ -111,19 +119,19 @@ class DecoderLayer(nn.Module):
     too before they join the residual stream."""
 
     def __init__(self, opts: ArchOptions, layer: int, rope: RotaryEmbedding,
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
 
         def norm() -> RMSNorm:
             return RMSNorm(opts.hidden_size, opts.norm_eps, dtype, opts.gemma_norms)
 
         self.input_layernorm = norm()
-        self.self_attn = Attention(opts, layer, rope, backend, dtype)
+        self.self_attn = Attention(opts, layer, rope, backend, dtype, tp)
         self.post_attention_layernorm = norm()
         self.mlp: nn.Module = (
-            SparseMoE(opts, dtype) if opts.is_moe(layer)
+            SparseMoE(opts, dtype, tp) if opts.is_moe(layer)
             else GatedMLP(opts.hidden_size, opts.intermediate_size, opts.activation,
-                          opts.mlp_bias, dtype))
+                          opts.mlp_bias, dtype, tp))
         self.gemma_norms = opts.gemma_norms
         if opts.gemma_norms:
             self.pre_feedforward_layernorm = norm()

@@ -20,8 +20,13 @@ weights left plain (`PDSERVE_DISABLE_PREPACK=1`, or models built without the loa
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallel
 
 # Inputs with this many rows go weight-first (2..SKINNY_MAX_ROWS; 1 row is a GEMV either way).
 SKINNY_MAX_ROWS = 4
@@ -41,4 +46,17 @@ def linear(
             and x.dtype == torch.float32 and weight.dtype == torch.float32):
         return F.linear(x, weight, bias)
     out = torch.mm(weight, x.t()).t().contiguous()  # [n, out_features]
+    return out if bias is None else out.add_(bias)
+
+
+def row_parallel_linear(
+    x: torch.Tensor,  # [n, in_features / tp]: this rank's part of the input
+    weight: torch.Tensor,  # [out_features, in_features / tp]
+    bias: torch.Tensor | None,  # [out_features], added once, after the sum over ranks
+    tp: TensorParallel | None,
+) -> torch.Tensor:  # [n, out_features]
+    """A row-parallel projection: each rank's partial product, summed over the ranks."""
+    if tp is None or tp.size == 1:
+        return linear(x, weight, bias)
+    out = tp.all_reduce(linear(x, weight))
     return out if bias is None else out.add_(bias)

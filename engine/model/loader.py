@@ -14,6 +14,7 @@ from engine.model.causal_lm import CausalLM
 from engine.model.models import SUPPORTED_ARCHITECTURES, architecture_of
 from engine.model.prepack import prepack_linear_weights
 from engine.model.sources.catalog import CATALOG, resolve_catalog
+from engine.parallel.group import TensorParallel
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "load_config", "load_model", "model_eos_token_ids",
            "resolve_model_path"]
@@ -110,11 +111,12 @@ def load_model(
     dtype: torch.dtype,
     attn_backend: AttentionBackend,
     device: str | torch.device = "cpu",
+    tp: TensorParallel | None = None,
 ) -> tuple[CausalLM, Any]:
-    """Builds our model for the folder's config and loads its safetensors weights.
-    Returns `(model in eval mode on device, transformers config)`."""
+    """Builds our model (this rank's shard of it under tensor parallelism) for the folder's config
+    and loads its safetensors weights. Returns `(model in eval mode on device, transformers config)`."""
     config = load_config(model_path)
-    model = CausalLM(config, attn_backend, dtype=dtype)
+    model = CausalLM(config, attn_backend, dtype=dtype, tp=tp)
     model.load_weights(iter_safetensors(model_path))
     model = model.to(device).eval()
     prepack_linear_weights(model)  # CPU weights, bf16 and float32 (engine.model.prepack)

@@ -6,12 +6,17 @@ checkpoint.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.linear import linear
+from engine.model.linear import linear, row_parallel_linear
 from kernels.cpu import fused_ops
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallel
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -36,11 +41,14 @@ def act_and_mul(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (SwiGLU / GeGLU)."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one matmul (SwiGLU / GeGLU).
+    Under tensor parallelism `inter` is this rank's slice and `tp` sums `down` over the ranks
+    (None: the caller sums a partial output itself, as the MoE's shared expert)."""
 
     def __init__(self, hidden: int, inter: int, activation: str, with_bias: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         self.intermediate_size = inter
         self.activation = activation
         self.gate_up_weight = param(2 * inter, hidden, dtype=dtype)
@@ -51,4 +59,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
         gate_up = linear(x, self.gate_up_weight, self.gate_up_bias)  # [n, 2 * inter]
         gate, up = gate_up[:, : self.intermediate_size], gate_up[:, self.intermediate_size :]
-        return linear(act_and_mul(gate, up, self.activation), self.down_weight, self.down_bias)
+        return row_parallel_linear(act_and_mul(gate, up, self.activation), self.down_weight,
+                                   self.down_bias, self.tp)

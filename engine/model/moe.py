@@ -10,6 +10,8 @@ per expert that received tokens), the Triton fused-MoE kernel on CUDA.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,10 +20,17 @@ from engine.model.arch import ArchOptions
 from engine.model.mlp import GatedMLP, param
 from kernels.moe import moe_grouped
 
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallel
+
 
 class SparseMoE(nn.Module):
-    def __init__(self, opts: ArchOptions, dtype: torch.dtype) -> None:
+    """Under tensor parallelism (`tp`), every expert's intermediate slice of this rank (and the
+    shared expert's): the partial outputs are summed over the ranks once, at the end."""
+
+    def __init__(self, opts: ArchOptions, dtype: torch.dtype, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        self.tp = tp
         moe = opts.moe
         if moe is None:
             raise ValueError("a sparse MoE layer needs the config's MoE options")
@@ -59,4 +68,4 @@ class SparseMoE(nn.Module):
             if self.shared_gate_weight is not None:
                 shared = torch.sigmoid(F.linear(x, self.shared_gate_weight)) * shared
             out = out + shared
-        return out
+        return out if self.tp is None else self.tp.all_reduce(out)
