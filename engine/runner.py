@@ -27,12 +27,13 @@ from engine.core.outputs import (
 )
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_sizing import mapped_caches, zeroed_cache
+from engine.parallel.group import then
 from engine.sample.logprobs import sampled_logprobs
 from engine.sample.metadata import SamplingMetadata
 from engine.sample.prompt_logprobs import prompt_logprobs
-from engine.sample.sampler import ArgmaxFix, Sampler, SamplerOutput
+from engine.sample.sampler import Sampler, SamplerOutput
 from engine.sampling_params import SamplingParams
-from engine.structured.bitmask import GrammarBitmask, apply_additive_mask, apply_token_bitmask
+from engine.structured.bitmask import GrammarBitmask, apply_grammar
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorWorker
@@ -250,7 +251,7 @@ class ModelRunner:
         elif connector is not None:
             caches = self.kv_caches
             hidden = self.model(batch.input_ids, batch.positions, caches, batch.metadata,
-                                before_layer=_then(connector.wait_for_layer_load, self.layer_sync),
+                                before_layer=then(connector.wait_for_layer_load, self.layer_sync),
                                 after_layer=lambda i: connector.save_kv_layer(i, caches[i]),
                                 layer_metadata=batch.layer_metadata)
         else:
@@ -263,8 +264,9 @@ class ModelRunner:
             self.model.compute_logits(hidden[batch.logits_rows])  # its part of the gather
         elif batch.sample_req_idx:
             logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_sampled, vocab]
-            states = [self.requests[batch.req_ids[i]] for i in batch.sample_req_idx]
-            argmax_fix = None if grammar is None else self._apply_grammar(logits, states, grammar)
+            ids = [batch.req_ids[i] for i in batch.sample_req_idx]
+            states = [self.requests[r] for r in ids]
+            argmax_fix = None if grammar is None else apply_grammar(logits, ids, grammar)
             out = self.sampler(logits, self._sampling_metadata(states), argmax_fix)
             self._record(batch, states, out, sampled, logprobs)
         any_logprobs = any(lp is not None for lp in logprobs)
@@ -369,29 +371,6 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     # --- sampling ---------------------------------------------------------------------
-    def _apply_grammar(self, logits: torch.Tensor, states: list[RequestState],
-                       grammar: GrammarBitmask) -> ArgmaxFix | None:
-        """Masks each filled constrained row's logits with its bitmask row (before any sampling
-        step). Returns the sampler's fix of the rows checked unmasked, if any."""
-        rows = {s.req_id: row for row, s in enumerate(states)}
-        check = grammar.checked
-        missing = [r for r in [*grammar.req_ids, *(check.req_ids if check else [])] if r not in rows]
-        if missing:
-            raise RuntimeError(f"grammar rows {missing} do not sample this step")
-        if grammar.req_ids:
-            mask = grammar.result()
-            logit_rows = [rows[r] for r in grammar.req_ids]
-            if mask.additive is not None:  # made only on CPU (EngineCore)
-                apply_additive_mask(logits, mask.additive, logit_rows)
-            else:
-                apply_token_bitmask(logits, mask.bitmask, logit_rows)
-        if check is None:
-            return None
-        pairs = {kind: [(i, rows[r]) for i, (r, g) in enumerate(zip(check.req_ids, check.greedy,
-                                                                     strict=True)) if g == kind]
-                 for kind in (True, False)}
-        return lambda values, tokens, greedy: check.tokens(values, tokens, pairs[greedy])
-
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         return SamplingMetadata.build(
             params=[s.sampling_params for s in states],
@@ -418,13 +397,3 @@ class ModelRunner:
             sampled[i] = [token_ids[row]]
             logprobs[i] = entries[row]
 
-
-def _then(first: Callable[[int], None], then: Callable[[int], None] | None) -> Callable[[int], None]:
-    if then is None:
-        return first
-
-    def both(layer: int) -> None:
-        first(layer)
-        then(layer)
-
-    return both

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x11pdserve.worker.v1\"\xee\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x01\x12\x44\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x30.pdserve.worker.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\x05\x12.\n\tbad_words\x18\x10 \x03(\x0b\x32\x1b.pdserve.worker.v1.TokenIds\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12@\n\x12structured_outputs\x18\x12 \x01(\x0b\x32$.pdserve.worker.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xa7\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12/\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x1d.pdserve.worker.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x12\x1f\n\x12whitespace_pattern\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\tB\x0c\n\nconstraintB\x15\n\x13_whitespace_pattern\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xa5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"z\n\x10KVTransferParams\x12\x19\n\x11\x64o_remote_prefill\x18\x01 \x01(\x08\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x14\n\x0ckv_store_url\x18\x05 \x01(\t\"\x96\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12;\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32#.pdserve.worker.v1.PositionLogprobs\x12\x38\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32#.pdserve.worker.v1.KVTransferParams\x12<\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32#.pdserve.worker.v1.PositionLogprobsJ\x04\x08\x03\x10\x04\"\x85\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x38\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32#.pdserve.worker.v1.KVTransferParams\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x19\n\x11\x61wait_first_token\x18\t \x01(\x08J\x04\x08\x04\x10\x05\"y\n\x11\x46irstTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x38\n\x0bkv_transfer\x18\x03 \x01(\x0b\x32#.pdserve.worker.v1.KVTransferParams\"#\n\x12\x46irstTokenResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\":\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"B\n\x10PositionLogprobs\x12.\n\ncandidates\x18\x01 \x03(\x0b\x32\x1a.pdserve.worker.v1.Logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x92\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x35\n\x08logprobs\x18\x02 \x03(\x0b\x32#.pdserve.worker.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x17\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x12\x13\n\tstop_text\x18\x05 \x01(\tH\x00\x12\'\n\x05usage\x18\x06 \x01(\x0b\x32\x18.pdserve.worker.v1.Usage\x12<\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32#.pdserve.worker.v1.PositionLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x9b\x03\n\nLoadReport\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.pdserve.worker.v1.Role\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\t \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x0b \x01(\x01\x12\x0f\n\x07serving\x18\x0c \x01(\x08\x12\x1a\n\x12not_serving_reason\x18\r \x01(\t\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x19\n\x11\x62lock_layer_share\x18\x10 \x01(\x02*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x32\x96\x03\n\x06Worker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12L\n\x06\x44\x65\x63ode\x12 .pdserve.worker.v1.DecodeRequest\x1a\x1e.pdserve.worker.v1.DecodeChunk0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.worker.v1.AbortRequest\x1a .pdserve.worker.v1.AbortResponse\x12Y\n\nFirstToken\x12$.pdserve.worker.v1.FirstTokenRequest\x1a%.pdserve.worker.v1.FirstTokenResponse\x12\x45\n\x04Load\x12\x1e.pdserve.worker.v1.LoadRequest\x1a\x1d.pdserve.worker.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\x11pdserve.worker.v1\"\xee\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_p\x18\x02 \x01(\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nmin_tokens\x18\x07 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x01\x12\x44\n\nlogit_bias\x18\x0e \x03(\x0b\x32\x30.pdserve.worker.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0f \x03(\x05\x12.\n\tbad_words\x18\x10 \x03(\x0b\x32\x1b.pdserve.worker.v1.TokenIds\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\x05H\x02\x88\x01\x01\x12@\n\x12structured_outputs\x18\x12 \x01(\x0b\x32$.pdserve.worker.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xa7\x02\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12/\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x1d.pdserve.worker.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x12\x1f\n\x12whitespace_pattern\x18\x08 \x01(\tH\x01\x88\x01\x01\x12\x0f\n\x07\x62\x61\x63kend\x18\t \x01(\tB\x0c\n\nconstraintB\x15\n\x13_whitespace_pattern\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\xa5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"\x8b\x01\n\x10KVTransferParams\x12\x19\n\x11\x64o_remote_prefill\x18\x01 \x01(\x08\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x14\n\x0ckv_store_url\x18\x05 \x01(\t\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\"\x96\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12;\n\x0e\x66irst_logprobs\x18\x05 \x01(\x0b\x32#.pdserve.worker.v1.PositionLogprobs\x12\x38\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32#.pdserve.worker.v1.KVTransferParams\x12<\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32#.pdserve.worker.v1.PositionLogprobsJ\x04\x08\x03\x10\x04\"\x85\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\x06params\x18\x03 \x01(\x0b\x32!.pdserve.worker.v1.SamplingParams\x12\x38\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32#.pdserve.worker.v1.KVTransferParams\x12\x19\n\x11num_output_tokens\x18\x06 \x01(\r\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12\x19\n\x11\x61wait_first_token\x18\t \x01(\x08J\x04\x08\x04\x10\x05\"y\n\x11\x46irstTokenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\x05\x12\x38\n\x0bkv_transfer\x18\x03 \x01(\x0b\x32#.pdserve.worker.v1.KVTransferParams\"#\n\x12\x46irstTokenResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\":\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"B\n\x10PositionLogprobs\x12.\n\ncandidates\x18\x01 \x03(\x0b\x32\x1a.pdserve.worker.v1.Logprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x92\x02\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x35\n\x08logprobs\x18\x02 \x03(\x0b\x32#.pdserve.worker.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x17\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x12\x13\n\tstop_text\x18\x05 \x01(\tH\x00\x12\'\n\x05usage\x18\x06 \x01(\x0b\x32\x18.pdserve.worker.v1.Usage\x12<\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32#.pdserve.worker.v1.PositionLogprobsB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\xb9\x03\n\nLoadReport\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x02\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.pdserve.worker.v1.Role\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x06 \x01(\r\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12\x19\n\x11num_cached_blocks\x18\t \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\n \x01(\x04\x12\x14\n\x0c\x62usy_seconds\x18\x0b \x01(\x01\x12\x0f\n\x07serving\x18\x0c \x01(\x08\x12\x1a\n\x12not_serving_reason\x18\r \x01(\t\x12\x13\n\x0binstance_id\x18\x0e \x01(\t\x12\x15\n\rmax_model_len\x18\x0f \x01(\r\x12\x19\n\x11\x62lock_layer_share\x18\x10 \x01(\x02\x12\x1c\n\x14tensor_parallel_size\x18\x11 \x01(\r*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x32\x96\x03\n\x06Worker\x12P\n\x07Prefill\x12!.pdserve.worker.v1.PrefillRequest\x1a\".pdserve.worker.v1.PrefillResponse\x12L\n\x06\x44\x65\x63ode\x12 .pdserve.worker.v1.DecodeRequest\x1a\x1e.pdserve.worker.v1.DecodeChunk0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pdserve.worker.v1.AbortRequest\x1a .pdserve.worker.v1.AbortResponse\x12Y\n\nFirstToken\x12$.pdserve.worker.v1.FirstTokenRequest\x1a%.pdserve.worker.v1.FirstTokenResponse\x12\x45\n\x04Load\x12\x1e.pdserve.worker.v1.LoadRequest\x1a\x1d.pdserve.worker.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=3008
-  _globals['_ROLE']._serialized_end=3091
+  _globals['_ROLE']._serialized_start=3056
+  _globals['_ROLE']._serialized_end=3139
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=665
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=575
@@ -47,32 +47,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_end=1025
   _globals['_PREFILLREQUEST']._serialized_start=1028
   _globals['_PREFILLREQUEST']._serialized_end=1193
-  _globals['_KVTRANSFERPARAMS']._serialized_start=1195
-  _globals['_KVTRANSFERPARAMS']._serialized_end=1317
-  _globals['_PREFILLRESPONSE']._serialized_start=1320
-  _globals['_PREFILLRESPONSE']._serialized_end=1598
-  _globals['_DECODEREQUEST']._serialized_start=1601
-  _globals['_DECODEREQUEST']._serialized_end=1862
-  _globals['_FIRSTTOKENREQUEST']._serialized_start=1864
-  _globals['_FIRSTTOKENREQUEST']._serialized_end=1985
-  _globals['_FIRSTTOKENRESPONSE']._serialized_start=1987
-  _globals['_FIRSTTOKENRESPONSE']._serialized_end=2022
-  _globals['_LOGPROB']._serialized_start=2024
-  _globals['_LOGPROB']._serialized_end=2082
-  _globals['_POSITIONLOGPROBS']._serialized_start=2084
-  _globals['_POSITIONLOGPROBS']._serialized_end=2150
-  _globals['_USAGE']._serialized_start=2152
-  _globals['_USAGE']._serialized_end=2232
-  _globals['_DECODECHUNK']._serialized_start=2235
-  _globals['_DECODECHUNK']._serialized_end=2509
-  _globals['_ABORTREQUEST']._serialized_start=2511
-  _globals['_ABORTREQUEST']._serialized_end=2545
-  _globals['_ABORTRESPONSE']._serialized_start=2547
-  _globals['_ABORTRESPONSE']._serialized_end=2577
-  _globals['_LOADREQUEST']._serialized_start=2579
-  _globals['_LOADREQUEST']._serialized_end=2592
-  _globals['_LOADREPORT']._serialized_start=2595
-  _globals['_LOADREPORT']._serialized_end=3006
-  _globals['_WORKER']._serialized_start=3094
-  _globals['_WORKER']._serialized_end=3500
+  _globals['_KVTRANSFERPARAMS']._serialized_start=1196
+  _globals['_KVTRANSFERPARAMS']._serialized_end=1335
+  _globals['_PREFILLRESPONSE']._serialized_start=1338
+  _globals['_PREFILLRESPONSE']._serialized_end=1616
+  _globals['_DECODEREQUEST']._serialized_start=1619
+  _globals['_DECODEREQUEST']._serialized_end=1880
+  _globals['_FIRSTTOKENREQUEST']._serialized_start=1882
+  _globals['_FIRSTTOKENREQUEST']._serialized_end=2003
+  _globals['_FIRSTTOKENRESPONSE']._serialized_start=2005
+  _globals['_FIRSTTOKENRESPONSE']._serialized_end=2040
+  _globals['_LOGPROB']._serialized_start=2042
+  _globals['_LOGPROB']._serialized_end=2100
+  _globals['_POSITIONLOGPROBS']._serialized_start=2102
+  _globals['_POSITIONLOGPROBS']._serialized_end=2168
+  _globals['_USAGE']._serialized_start=2170
+  _globals['_USAGE']._serialized_end=2250
+  _globals['_DECODECHUNK']._serialized_start=2253
+  _globals['_DECODECHUNK']._serialized_end=2527
+  _globals['_ABORTREQUEST']._serialized_start=2529
+  _globals['_ABORTREQUEST']._serialized_end=2563
+  _globals['_ABORTRESPONSE']._serialized_start=2565
+  _globals['_ABORTRESPONSE']._serialized_end=2595
+  _globals['_LOADREQUEST']._serialized_start=2597
+  _globals['_LOADREQUEST']._serialized_end=2610
+  _globals['_LOADREPORT']._serialized_start=2613
+  _globals['_LOADREPORT']._serialized_end=3054
+  _globals['_WORKER']._serialized_start=3142
+  _globals['_WORKER']._serialized_end=3548
 # @@protoc_insertion_point(module_scope)

@@ -116,18 +116,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class KVTransferParams(_message.Message):
-    __slots__ = ("do_remote_prefill", "keys", "num_tokens", "transfer_id", "kv_store_url")
+    __slots__ = ("do_remote_prefill", "keys", "num_tokens", "transfer_id", "kv_store_url", "tp_size")
     DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_STORE_URL_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     do_remote_prefill: bool
     keys: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: int
     transfer_id: str
     kv_store_url: str
-    def __init__(self, do_remote_prefill: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., kv_store_url: _Optional[str] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, do_remote_prefill: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., kv_store_url: _Optional[str] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "finish_reason", "num_cached_tokens", "first_logprobs", "kv_transfer", "prompt_logprobs")
@@ -242,7 +244,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_usage", "role", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_cached_blocks", "num_prompt_tokens", "busy_seconds", "serving", "not_serving_reason", "instance_id", "max_model_len", "block_layer_share")
+    __slots__ = ("num_waiting", "num_running", "kv_usage", "role", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_cached_blocks", "num_prompt_tokens", "busy_seconds", "serving", "not_serving_reason", "instance_id", "max_model_len", "block_layer_share", "tensor_parallel_size")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +261,7 @@ class LoadReport(_message.Message):
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     BLOCK_LAYER_SHARE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_usage: float
@@ -275,4 +278,5 @@ class LoadReport(_message.Message):
     instance_id: str
     max_model_len: int
     block_layer_share: float
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., role: _Optional[_Union[Role, str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_layer_share: _Optional[float] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., role: _Optional[_Union[Role, str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_layer_share: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...

@@ -50,7 +50,16 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "layer's blocks for the whole request, as a model without windows "
                             "(default: its windowed layers free what their window has left)")
     group.add_argument("--num-kv-blocks", type=int, default=None)
-    group.add_argument("--num-threads", type=int, default=None)
+    group.add_argument("--num-threads", type=int, default=None,
+                       help="torch threads (per rank with --tensor-parallel-size; default: the "
+                            "machine's cores, shared out between the ranks)")
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over this many processes on this host, one rank each "
+                            "(tensor parallelism; CPU: gloo). A prefill and a decode worker of "
+                            "different sizes hand KV off to each other (docs/tensor-parallel.md)")
+    group.add_argument("--tp-timeout-s", type=float, default=60.0,
+                       help="how long a rank waits for the others in a collective: a rank that "
+                            "hangs fails the step after this, and the worker restarts its engine")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step, longer prefills are chunked (default 2048; "
                             "512 for prefill workers on the CPU, whose steps are compute-bound "
@@ -73,6 +82,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 enforce_eager=args.enforce_eager,
                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                 num_threads=args.num_threads, sjf_max_wait_s=args.sjf_max_wait_s,
+                tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout_s,
                 **{k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                      ("scheduling_policy", args.scheduling_policy))
                    if v is not None})  # unset: EngineConfig's defaults

@@ -75,7 +75,13 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--decode-port", type=int, default=50061, help="first decode worker's port")
     p.add_argument("--kvstore-capacity", default="4GiB", help="the KV store's memory")
     p.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads per worker (default: torch's, one per CPU the worker may use)")
+                   help="torch threads per worker, per rank under tensor parallelism (default: "
+                        "torch's, one per CPU the worker may use, shared out between its ranks)")
+    p.add_argument("--prefill-tp", type=int, default=1,
+                   help="each prefill worker's tensor-parallel size (processes, one rank each)")
+    p.add_argument("--decode-tp", type=int, default=1,
+                   help="each decode (or colocated) worker's tensor-parallel size; prefill and "
+                        "decode may differ (the KV hand-off re-shards)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="each worker's KV cache (default on the CPU: PDSERVE_CPU_KVCACHE_SPACE GiB "
                         "when set, else half the memory free at start divided among the workers "
@@ -177,12 +183,16 @@ def parse_cpus(text: str | None) -> set[int] | None:
 
 
 def _prefill_args(args: argparse.Namespace) -> list[str]:
-    out = []
+    out = ["--tensor-parallel-size", str(args.prefill_tp)] if args.prefill_tp != 1 else []
     if args.prefill_max_num_batched_tokens is not None:
         out += ["--max-num-batched-tokens", str(args.prefill_max_num_batched_tokens)]
     if args.prefill_scheduling_policy is not None:
         out += ["--scheduling-policy", args.prefill_scheduling_policy]
     return out
+
+
+def _decode_args(args: argparse.Namespace) -> list[str]:
+    return ["--tensor-parallel-size", str(args.decode_tp)] if args.decode_tp != 1 else []
 
 
 def _metrics_args(args: argparse.Namespace, grpc_port: int) -> list[str]:
@@ -241,7 +251,11 @@ def startup_timeout_s(args: argparse.Namespace, folder: str) -> float:
 
 
 def _ports(args: argparse.Namespace) -> dict[int, str]:
-    """Every port `up` will listen on, with its component."""
+    """Every port `up` will listen on, with its component (and the TP sizes checked, before
+    anything starts)."""
+    for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if not 1 <= tp <= 64:
+            raise ValueError(f"{flag}: must be in [1, 64], got {tp}")
     role = "colocated" if args.colocated else "decode"
     named = [(args.port, "router")]
     if _liveness_port(args):
@@ -296,8 +310,8 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
                                       parse_cpus(args.prefill_cpus)))
     role = "colocated" if args.colocated else "decode"
     for i in range(args.decode):
-        specs.append(_worker_spec(args, f"{role}-{i}", role, args.decode_port + i, common,
-                                  parse_cpus(args.decode_cpus)))
+        specs.append(_worker_spec(args, f"{role}-{i}", role, args.decode_port + i,
+                                  common + _decode_args(args), parse_cpus(args.decode_cpus)))
     router = ["router", "--model", args.model, "--tokenizer", folder, "--host", h,
               "--port", str(args.port), "--policy", args.policy, "--worker-networks", _up_networks(h),
               "--local-prefill-tokens", str(args.local_prefill_tokens), "--handoff", args.handoff,
@@ -469,7 +483,8 @@ def _start_autoscaler(args: argparse.Namespace, folder: str, sup: Supervisor) ->
     worker_args = _worker_args(args, folder, f"grpc://{args.host}:{args.kvstore_port}")
     cpus = {"prefill": parse_cpus(args.prefill_cpus), role: parse_cpus(args.decode_cpus)}
     scaler = AutoscalerThread(args, f"http://{args.host}:{args.port}", worker_args, cpus, role,
-                              role_args={"prefill": _prefill_args(args)}, supervisor=sup)
+                              role_args={"prefill": _prefill_args(args), role: _decode_args(args)},
+                              supervisor=sup)
     scaler.start()
     print(f"autoscaling: prefill {args.prefill}..{max(args.prefill, args.max_prefill)}, "
           f"{role} {args.decode}..{max(args.decode, args.max_decode)}, targets TTFT p90 "

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +24,26 @@ import torch
 import torch.distributed as dist
 
 
+@dataclass
+class CommClock:
+    """Time this rank spent in collectives (waiting for the other ranks included), and how many."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False, repr=False)
+    clock: CommClock = field(default_factory=CommClock, compare=False, repr=False)
+
+    def _run(self, collective: Callable[[], Any]) -> None:
+        start = time.perf_counter()
+        collective().wait()
+        self.clock.seconds += time.perf_counter() - start
+        self.clock.calls += 1
 
     @staticmethod
     def init(rank: int, size: int, rendezvous: str, timeout_s: float) -> TensorParallel:
@@ -41,12 +58,12 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """`x` summed over the ranks, in place."""
         if self.size > 1:
-            self.group.allreduce([x]).wait()
+            self._run(lambda: self.group.allreduce([x]))
         return x
 
     def sync_layer(self, layer: int) -> None:
         """Every rank waits here until rank 0 arrives (a one-element broadcast from it)."""
-        self.group.broadcast(torch.zeros(1), 0).wait()
+        self._run(lambda: self.group.broadcast(torch.zeros(1), 0))
 
     def gather_vocab(self, local: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """`[n, vocab_size]`: every rank's `[n, shard]` columns in rank order, the padding of the
@@ -54,8 +71,20 @@ class TensorParallel:
         if self.size == 1:
             return local[:, :vocab_size] if local.shape[1] != vocab_size else local
         parts = [torch.empty_like(local) for _ in range(self.size)]
-        self.group.allgather([parts], [local.contiguous()]).wait()
+        self._run(lambda: self.group.allgather([parts], [local.contiguous()]))
         return torch.cat(parts, dim=1)[:, :vocab_size]
+
+
+def then(first: Callable[[int], None], second: Callable[[int], None] | None) -> Callable[[int], None]:
+    """`first(layer)`, then `second(layer)` (where given)."""
+    if second is None:
+        return first
+
+    def both(layer: int) -> None:
+        first(layer)
+        second(layer)
+
+    return both
 
 
 SINGLE = TensorParallel()

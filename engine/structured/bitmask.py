@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from engine.sample.sampler import ArgmaxFix
     from engine.structured.backends import Matcher, XgrammarMatcher
 
 _SHIFTS: dict[torch.device, torch.Tensor] = {}
@@ -221,3 +222,26 @@ def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, r
             allowed = word < bitmask.shape[1] and (int(bitmask[i, word]) >> (t % 32)) & 1
             if not allowed:
                 logits[row, t] = float("-inf")
+
+def apply_grammar(logits: torch.Tensor, req_ids: list[str], grammar: GrammarBitmask) -> ArgmaxFix | None:
+    """Masks each filled constrained row's logits (`logits` row i samples for `req_ids[i]`) with
+    its bitmask row, before any sampling step. Returns the sampler's fix of the rows checked
+    unmasked, if any."""
+    rows = {r: row for row, r in enumerate(req_ids)}
+    check = grammar.checked
+    missing = [r for r in [*grammar.req_ids, *(check.req_ids if check else [])] if r not in rows]
+    if missing:
+        raise RuntimeError(f"grammar rows {missing} do not sample this step")
+    if grammar.req_ids:
+        mask = grammar.result()
+        logit_rows = [rows[r] for r in grammar.req_ids]
+        if mask.additive is not None:  # made only on CPU (EngineCore)
+            apply_additive_mask(logits, mask.additive, logit_rows)
+        else:
+            apply_token_bitmask(logits, mask.bitmask, logit_rows)
+    if check is None:
+        return None
+    pairs = {kind: [(i, rows[r]) for i, (r, g) in enumerate(zip(check.req_ids, check.greedy, strict=True))
+                    if g == kind]
+             for kind in (True, False)}
+    return lambda values, tokens, greedy: check.tokens(values, tokens, pairs[greedy])

@@ -115,7 +115,7 @@ def kv_params_from_proto(msg: pb.KVTransferParams | None, num_tokens: int, chunk
 def kv_params_to_dict(msg: pb.KVTransferParams) -> dict[str, Any]:
     return {"do_remote_prefill": msg.do_remote_prefill, "keys": list(msg.keys),
             "num_tokens": msg.num_tokens, "transfer_id": msg.transfer_id,
-            "kv_store_url": msg.kv_store_url}
+            "kv_store_url": msg.kv_store_url, **({"tp_size": msg.tp_size} if msg.tp_size else {})}
 
 
 def kv_params_to_proto(params: dict[str, Any] | None) -> pb.KVTransferParams | None:
@@ -125,7 +125,8 @@ def kv_params_to_proto(params: dict[str, Any] | None) -> pb.KVTransferParams | N
     return pb.KVTransferParams(
         do_remote_prefill=bool(params.get("do_remote_prefill", False)),
         keys=[str(k) for k in params.get("keys", [])], num_tokens=int(params.get("num_tokens", 0)),
-        transfer_id=str(params.get("transfer_id", "")), kv_store_url=str(params.get("kv_store_url", "")))
+        transfer_id=str(params.get("transfer_id", "")), kv_store_url=str(params.get("kv_store_url", "")),
+        tp_size=int(params.get("tp_size") or 0))
 
 
 def token_ids_from_proto(token_ids: Any) -> list[int]:

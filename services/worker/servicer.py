@@ -224,6 +224,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         why = "" if serving else self.guard.reason or "the engine core died"
         report = pb.LoadReport(role=_PROTO_ROLES[self.role], serving=serving, not_serving_reason=why,
                                instance_id=self.instance_id)
+        if self.guard.engine is not None:
+            report.tensor_parallel_size = self.guard.engine.config.tensor_parallel_size
         stats = await self.snapshot(LOAD_WAIT_S)
         if stats is not None:
             report.MergeFrom(pb.LoadReport(

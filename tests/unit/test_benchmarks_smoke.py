@@ -209,3 +209,17 @@ def test_bench_multihost_table_has_medians_ranges_and_ratios() -> None:
     assert rows["TTFT p50 (ms)"] == ["12.0 (10-14)", "10.0 (10-10)", "1.20x"]
     assert rows["ITL p99 (ms)"][2] == "1.20x"
     assert rows["KV objects put via shared memory"][:2] == ["0 of 8", "8 of 8"]
+
+
+def test_bench_tp_compares_tp_sizes_and_every_handoff_pair(tiny_model: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_tp
+
+    argv = ["--model", str(tiny_model), "--num-prompts", "4", "--min-len", "8", "--max-len", "24",
+            "--output-len", "4", "--handoff-prompts", "2", "--handoff-len", "40"]
+    assert bench_tp.main(argv) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert rows["TP 1"][3] == rows["TP 2"][3] == "4/4"  # the same greedy tokens
+    assert float(rows["TP 2"][4]) > 0 and float(rows["TP 1"][4]) == 0  # comm share: TP 2 only
+    for pair in ("P1 -> D1", "P1 -> D2", "P2 -> D1", "P2 -> D2"):
+        assert rows[pair][3:] == ["2/2", "yes"], pair

@@ -129,7 +129,7 @@ class Dispatcher:
         # the early call lives through the prefill's attempts, then the decode's own time
         early = (start_early(self.decode, request_id, prompt_ids, params, hashes,
                              opts.prefill_timeout_s * opts.prefill_attempts + opts.decode_timeout_s,
-                             priority, cache_salt)
+                             priority, cache_salt, self.prefill.shared_tp_size())
                  if local is None and self.prefill is not None and opts.early_handoff else None)
         handed = False  # the early call (if any) went on to the decode; else it is dropped below
         try:

@@ -61,11 +61,13 @@ class EarlyDecode:
 
 
 def start_early(pool: WorkerPool, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                hashes: Sequence[int], timeout_s: float, priority: int, cache_salt: str
-                ) -> EarlyDecode | None:
+                hashes: Sequence[int], timeout_s: float, priority: int, cache_salt: str,
+                prefill_tp: int | None) -> EarlyDecode | None:
     """The decode call of an early hand-off, sent now; None where the plain hand-off runs (one
-    token, structured outputs, or no serving decode worker now: the plain path says so later)."""
-    if params.structured_outputs is not None or (params.max_tokens or 0) <= 1:
+    token, structured outputs, no serving decode worker now: the plain path says so later; or
+    prefill workers of different tensor-parallel sizes, `prefill_tp` None: the decode worker
+    could not know under which TP size's keys the prefill will save, before it names them)."""
+    if params.structured_outputs is not None or (params.max_tokens or 0) <= 1 or prefill_tp is None:
         return None
     pick = pool.pick(hashes, prompt_tokens=len(prompt_ids))
     if pick is None:
@@ -73,7 +75,8 @@ def start_early(pool: WorkerPool, request_id: str, prompt_ids: list[int], params
     worker = pick.worker
     rid = f"{request_id}-e"  # not the plain hand-off's id: a fallback on this worker never collides
     lease = pool.acquire(worker, hashes)
-    kv = {"do_remote_prefill": True, "keys": [], "num_tokens": len(prompt_ids), "transfer_id": rid}
+    kv = {"do_remote_prefill": True, "keys": [], "num_tokens": len(prompt_ids), "transfer_id": rid,
+          "tp_size": prefill_tp}
     call = worker.client.start_decode(
         rid, prompt_ids, replace(params, prompt_logprobs=None), kv,
         timeout_s=timeout_s, priority=priority, cache_salt=cache_salt,

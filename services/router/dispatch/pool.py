@@ -120,6 +120,13 @@ class WorkerState:
         return self.client.target
 
     @property
+    def tp_size(self) -> int:
+        """Its engine's tensor-parallel size, from its last report (1 before one, or from an older
+        worker)."""
+        reported = int(self.load.tensor_parallel_size) if self.load is not None else 0
+        return reported or 1
+
+    @property
     def unreported(self) -> int:
         """Requests sent since the last load report that are still in flight (at most): the
         ones that already finished must not count, or a late report would let the estimate grow
@@ -290,6 +297,12 @@ class WorkerPool:
         await w.client.close()
         logger.warning("%s worker %s removed", self.role, target)
         return True
+
+    def shared_tp_size(self) -> int | None:
+        """The tensor-parallel size every worker taking requests reports; None when they differ
+        (or none takes requests)."""
+        sizes = {w.tp_size for w in self.healthy}
+        return sizes.pop() if len(sizes) == 1 else None
 
     def saturated(self, max_waiting: int) -> bool:
         """True when every worker taking requests already has `max_waiting` or more queued."""
