@@ -217,7 +217,12 @@ def engine_kv_blocks(config: EngineConfig, model: Any, layout: KVCacheLayout, dt
     # a block is a page of `layers_per_block` layers (all of them, unless the model is hybrid)
     # on the CPU the ranks of a tensor-parallel engine share this host's memory: every rank's
     # shard of a block counts
-    kv_heads = model.num_kv_heads * (config.tensor_parallel_size if device.type == "cpu" else 1)
+    shard = getattr(model, "shard", None)
+    kv_heads = model.num_kv_heads
+    if shard is not None and device.type == "cpu":
+        from engine.parallel.shard import kv_head_range
+
+        kv_heads = sum(kv_head_range(shard.full.num_kv_heads, shard.size, r)[1] for r in range(shard.size))
     return num_kv_blocks(config, layout.layers_per_block, kv_heads, model.head_dim, dtype,
                          available_bytes=available, cpu_budget=cpu_budget,
                          most_blocks=config.max_num_seqs * layout.blocks_for_one_request(

@@ -8,9 +8,10 @@ rank as worker id), and a consumer of another TP size re-shards on load.
     heads.of(3)                  # (1, 1): rank 3 of 4 holds KV head 1 (replicated on ranks 2, 3)
     heads.sources()              # [0, 2]: the ranks whose objects hold every head once
 
-Ranks split the KV heads as the model splits them (engine/parallel/shard.py): with `world` at most
-the number of KV heads, rank r holds heads [r * KV/world, (r+1) * KV/world); with more ranks
-than KV heads, each head is on world / KV ranks (rank r holds head r // (world / KV)).
+Ranks split the KV heads as the model splits them (engine/parallel/shard.py `kv_head_range`):
+with `world` at most the number of KV heads, each rank a contiguous run, as even as it goes (3
+heads on 2 ranks: 2 + 1); with more ranks than KV heads, each head is on world / KV ranks (rank r
+holds head r // (world / KV)).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from engine.parallel.shard import kv_head_range
 from kvstore.backend import KVObject
 
 
@@ -46,11 +48,8 @@ class HeadSplit:
     world: int
 
     def of(self, rank: int) -> tuple[int, int]:
-        """(first KV head, count) held by `rank`."""
-        if self.world <= self.kv_heads:
-            n = self.kv_heads // self.world
-            return rank * n, n
-        return rank // (self.world // self.kv_heads), 1
+        """(first KV head, count) held by `rank` (the model's split, engine/parallel/shard.py)."""
+        return kv_head_range(self.kv_heads, self.world, rank)
 
     def sources(self) -> list[int]:
         """The ranks whose shards, side by side, hold every KV head once."""

@@ -30,6 +30,7 @@ from engine.kv_cache_sizing import mapped_caches, shared_cache_file
 from engine.parallel.channel import StepChannel, StepMessage
 from engine.parallel.follower import follower_main, threads_per_rank
 from engine.parallel.group import TensorParallel
+from engine.parallel.shard import kv_head_range
 from engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -75,12 +76,14 @@ class TPExecutor:
         cache in shared memory that rank 0 maps too. Returns every rank's caches per layer (rank
         0's first), for rank 0's KV connector."""
         self.runner = runner
-        slots, shape = runner.layout.layers_per_block, tuple(runner.kv_caches[0].shape)
-        dtype = runner.kv_caches[0].dtype
-        nbytes = slots * math.prod(shape) * dtype.itemsize
-        self._fds = [shared_cache_file(nbytes) for _ in self.procs]
+        slots, dtype = runner.layout.layers_per_block, runner.kv_caches[0].dtype
+        full = runner.model.shard.full  # type: ignore[attr-defined]
         caches = [runner.kv_caches]
-        for fd in self._fds:
+        for rank in range(1, self.tp.size):  # each its own KV heads (an uneven split differs)
+            heads = kv_head_range(full.num_kv_heads, self.tp.size, rank)[1]
+            shape = (*runner.kv_caches[0].shape[:3], heads, runner.kv_caches[0].shape[4])
+            fd = shared_cache_file(slots * math.prod(shape) * dtype.itemsize)
+            self._fds.append(fd)
             mapped = mapped_caches(fd, slots, shape, dtype)
             caches.append([mapped[slot] for slot in runner.layout.layer_slot])
         self._send(StepMessage(num_kv_blocks=runner.num_blocks, max_model_len=max_model_len,

@@ -1,10 +1,13 @@
 """What each tensor-parallel rank holds, and the slice of each checkpoint tensor that fills it
 (Megatron's split, as vLLM's parallel layers make it):
 
-- attention: rank r has query heads [r * H/tp, (r+1) * H/tp) and the KV heads they read. With
-  fewer KV heads than ranks, each KV head is replicated on tp / KV ranks (rank r holds KV head
-  r // (tp / KV)). q/k/v are column-parallel, the output projection row-parallel (its partial
-  sums are added over the ranks, then its bias once);
+- attention, by KV head groups (a KV head and the H/KV query heads that read it stay together):
+  with at least as many KV heads as ranks, rank r holds a contiguous run of them, as even as it
+  goes (`kv_head_range`: SmolLM2's 3 KV heads on 2 ranks are 2 + 1, so 6 + 3 query heads, where
+  vLLM refuses the size), and their query heads. With fewer KV heads than ranks, each KV head is
+  replicated on tp / KV ranks (rank r holds KV head r // (tp / KV)) and the query heads split
+  evenly. q/k/v are column-parallel, the output projection row-parallel (its partial sums are
+  added over the ranks, then its bias once);
 - the dense MLP: gate/up column-parallel, down row-parallel, over intermediate/tp columns;
 - mixture of experts: tensor parallel inside every expert (each rank holds every expert's
   intermediate/tp slice, and the shared expert's), the router replicated; the expert outputs
@@ -40,9 +43,13 @@ class Shard:
 
     def __post_init__(self) -> None:
         o, tp = self.full, self.size
-        _check(o.num_heads % tp == 0, f"{tp} does not divide the model's {o.num_heads} attention heads")
-        _check(o.num_kv_heads % tp == 0 or tp % o.num_kv_heads == 0,
-               f"{tp} and the model's {o.num_kv_heads} KV heads: one must divide the other")
+        _check(o.num_heads % o.num_kv_heads == 0,
+               f"the model's {o.num_heads} attention heads are not groups of its {o.num_kv_heads} KV heads")
+        if o.num_kv_heads < tp:
+            _check(tp % o.num_kv_heads == 0 and o.num_heads % tp == 0,
+                   f"{tp} ranks for the model's {o.num_kv_heads} KV heads: with fewer KV heads than "
+                   f"ranks, the ranks must be a multiple of them and divide the {o.num_heads} "
+                   f"attention heads")
         _check(o.intermediate_size % tp == 0,
                f"{tp} does not divide the MLP's intermediate size {o.intermediate_size}")
         if o.moe is not None:
@@ -52,17 +59,26 @@ class Shard:
                    f"{tp} does not divide the shared expert's size {o.moe.shared_intermediate_size}")
 
     @property
-    def heads(self) -> int:
-        return self.full.num_heads // self.size
-
-    @property
     def kv_heads(self) -> int:
-        return max(1, self.full.num_kv_heads // self.size)
+        return kv_head_range(self.full.num_kv_heads, self.size, self.rank)[1]
 
     @property
     def first_kv_head(self) -> int:
-        kv, tp = self.full.num_kv_heads, self.size
-        return self.rank * self.kv_heads if kv >= tp else self.rank // (tp // kv)
+        return kv_head_range(self.full.num_kv_heads, self.size, self.rank)[0]
+
+    @property
+    def heads(self) -> int:
+        o = self.full
+        if o.num_kv_heads < self.size:
+            return o.num_heads // self.size
+        return self.kv_heads * (o.num_heads // o.num_kv_heads)  # its KV heads' query groups
+
+    @property
+    def first_head(self) -> int:
+        o = self.full
+        if o.num_kv_heads < self.size:
+            return self.rank * self.heads
+        return self.first_kv_head * (o.num_heads // o.num_kv_heads)
 
     @property
     def vocab_rows(self) -> int:
@@ -90,7 +106,7 @@ class Shard:
         o = self.full
         d, q = o.head_dim, o.num_heads * o.head_dim
         kv = o.num_kv_heads * d
-        heads = (self.rank * self.heads * d, self.heads * d)
+        heads = (self.first_head * d, self.heads * d)
         kv_rows = (self.first_kv_head * d, self.kv_heads * d)
         inter = o.intermediate_size // self.size
         moe_inter = o.moe.intermediate_size // self.size if o.moe else 0
@@ -136,6 +152,16 @@ class Shard:
             return part
         pad = torch.zeros(rows - part.shape[0], *tensor.shape[1:], dtype=tensor.dtype)
         return torch.cat([part, pad])
+
+
+def kv_head_range(kv_heads: int, world: int, rank: int) -> tuple[int, int]:
+    """(first KV head, count) of `rank` of `world`: contiguous runs as even as they go (the first
+    `kv_heads % world` ranks one more), or with fewer heads than ranks, head rank // (world /
+    kv_heads) (replicated)."""
+    if world <= kv_heads:
+        base, extra = divmod(kv_heads, world)
+        return rank * base + min(rank, extra), base + (rank < extra)
+    return rank // (world // kv_heads), 1
 
 
 _LAYER_TENSOR = re.compile(r"^layers\.\d+\.(.+)\.(\w+)$")

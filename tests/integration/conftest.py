@@ -31,6 +31,9 @@ def _hf_config(arch: str) -> object:
                   bos_token_id=1, eos_token_id=2, pad_token_id=2)
     if arch == "llama":
         return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    if arch == "llama_3kv":  # SmolLM2's head layout in small: 9 query heads in 3 KV groups
+        return transformers.LlamaConfig(**{**common, "num_attention_heads": 9, "num_key_value_heads": 3,
+                                           "hidden_size": 72}, tie_word_embeddings=True)
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=False)
     if arch == "qwen2_window":  # layer 0 full, layer 1 windowed (max_window_layers)

@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (one process a rank, gloo): the engine split over 2 (and 4)
 ranks gives, token for token in float32, what it gives on one rank and what transformers gives,
 for a dense model (Llama, with fewer KV heads than 4 ranks: replicated), Qwen3 (q/k norms,
-head_dim apart from hidden / heads) and a mixture of experts (Qwen3-MoE, tensor-parallel experts);
+head_dim apart from hidden / heads), a mixture of experts (Qwen3-MoE, tensor-parallel experts)
+and the default model's head layout (9 query heads in 3 KV groups: 2 + 1 groups on 2 ranks);
 greedy and seeded, with penalties, structured outputs, prompt logprobs, prefix caching, chunked
 prefill and preemption. A rank that dies stops the engine core (the front end's requests fail with
 EngineDeadError) within a bound, and leaves no rank process behind."""
@@ -89,7 +90,7 @@ def prompts() -> list[list[int]]:
     return tiny_prompts()[:6]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "llama_3kv"])
 def test_two_ranks_equal_one_and_transformers(arch: str, tiny_model_dir: Callable[[str], Path],
                                               hf_greedy: Any, prompts: list[list[int]]) -> None:
     model_dir = tiny_model_dir(arch)
@@ -140,7 +141,7 @@ def test_a_model_the_ranks_cannot_split_is_refused_naming_the_setting(
         tiny_model_dir: Callable[[str], Path]) -> None:
     from engine.llm import LLM
 
-    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide the model's 4 attention"):
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 ranks for the model's 2 KV heads"):
         LLM(model=str(tiny_model_dir("llama")), num_threads=1, max_model_len=256, num_kv_blocks=32,
             tensor_parallel_size=3)
     assert not _rank_processes(psutil.Process())

@@ -6,6 +6,7 @@ recompute), and every lease is released."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +76,21 @@ def test_a_consumer_of_another_tp_size_reshards_and_equals_colocated(
     finally:
         producer.engine_core.shutdown()
         consumer.engine_core.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "llama_3kv"])
+def test_qwen3_a_moe_and_an_uneven_split_across_tp_sizes_equal_transformers(
+        store: KVStoreService, tiny_model_dir: Callable[[str], Path], hf_greedy: Any, arch: str) -> None:
+    """Qwen3 (q/k norms, head_dim apart from hidden / heads), Qwen3-MoE (tensor-parallel experts)
+    and 3 KV heads on 2 ranks (2 + 1: the consumer joins shards of unequal widths),
+    P(TP 2) -> D(TP 1) and P(TP 1) -> D(TP 2): the greedy tokens are transformers'."""
+    model = tiny_model_dir(arch)
+    prompts = [prompt_of(n) for n in (17, 130)]
+    want = hf_greedy(model, prompts, NEW)
+    for prefill_tp, decode_tp in ((2, 1), (1, 2)):
+        producer, consumer = _pair(model, store, prefill_tp, decode_tp, "auto")
+        try:
+            assert _split(producer, consumer, prompts, "greedy") == want, (prefill_tp, decode_tp)
+        finally:
+            producer.engine_core.shutdown()
+            consumer.engine_core.shutdown()

@@ -79,6 +79,12 @@ async def _fault_then_recover(worker: WorkerServer, fault: str) -> float:
         assert err.value.kind == "unavailable"
         print(f"rank 1 {fault}: the stream failed after {failed_after:.2f} s")  # (the note's figure)
 
+        async def not_serving() -> bool:  # until its guard has a new group up
+            report = await client.load()
+            return not report.serving and not await client.health()
+
+        await until(not_serving, 10, "NOT_SERVING")
+
         async def serving_anew() -> bool:
             return len(worker.guard.restarts) > restarts and (await client.load()).serving
 

@@ -65,6 +65,21 @@ def test_fused_checkpoint_tensors_are_split_per_part() -> None:
         [0, 1, 2, 6, 7, 8], [3, 4, 5, 9, 10, 11]]
 
 
+def test_kv_head_groups_split_unevenly_where_the_ranks_do_not_divide_them() -> None:
+    """SmolLM2-135M's shape: 9 query heads in 3 KV groups on 2 ranks: 2 + 1 groups, 6 + 3 heads."""
+    smol = replace(DENSE, num_heads=9, num_kv_heads=3, head_dim=1)
+    ranks = [Shard(smol, r, 2) for r in range(2)]
+    assert [(s.first_kv_head, s.kv_heads, s.first_head, s.heads) for s in ranks] == [
+        (0, 2, 0, 6), (2, 1, 6, 3)]
+    q, k = torch.arange(9.0).unsqueeze(1), torch.arange(3.0).unsqueeze(1)
+    assert [s.slice("layers.0.self_attn.q_proj.weight", q).flatten().tolist() for s in ranks] == [
+        [0, 1, 2, 3, 4, 5], [6, 7, 8]]
+    assert [s.slice("layers.0.self_attn.k_proj.weight", k).flatten().tolist() for s in ranks] == [[0, 1], [2]]
+    o = torch.arange(9.0).unsqueeze(0)
+    assert torch.equal(torch.cat([s.slice("layers.0.self_attn.o_proj.weight", o) for s in ranks], dim=1), o)
+    assert [(s.options().num_heads, s.options().num_kv_heads) for s in ranks] == [(6, 2), (3, 1)]
+
+
 def test_kv_heads_fewer_than_ranks_are_replicated() -> None:
     k = torch.arange(4.0).unsqueeze(1)  # 2 KV heads of head_dim 2
     assert [s.flatten().tolist() for s in _slices("layers.0.self_attn.k_proj.weight", k, 4, DENSE)] == [
@@ -89,8 +104,10 @@ def test_vocab_rows_are_padded_on_the_last_rank_and_replicated_tensors_kept() ->
 
 
 @pytest.mark.parametrize(("change", "message"), [
-    ({"num_heads": 6}, "4 does not divide the model's 6 attention heads"),
-    ({"num_kv_heads": 3, "num_heads": 12}, "4 and the model's 3 KV heads"),
+    ({"num_heads": 6}, "4 ranks for the model's 2 KV heads: with fewer KV heads than ranks, the "
+                       "ranks must be a multiple of them and divide the 6 attention heads"),
+    ({"num_kv_heads": 3, "num_heads": 12}, "4 ranks for the model's 3 KV heads"),
+    ({"num_kv_heads": 3, "num_heads": 8}, "the model's 8 attention heads are not groups of its 3"),
     ({"intermediate_size": 10}, "4 does not divide the MLP's intermediate size 10"),
 ])
 def test_a_split_the_model_does_not_allow_names_the_setting(change: dict[str, Any], message: str) -> None:
