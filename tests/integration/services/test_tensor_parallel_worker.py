@@ -17,11 +17,9 @@ import psutil
 import pytest
 import pytest_asyncio
 
-from engine.config import EngineConfig
-from services.procs import free_port
 from services.worker.client import WorkerClient, WorkerError
-from services.worker.server import WorkerOptions, WorkerServer
-from tests.integration.services.test_truthful_health import GUARD, PROMPT, greedy, tokens, until
+from services.worker.server import WorkerServer
+from tests.integration.services.test_truthful_health import PROMPT, greedy, guarded_worker, tokens, until
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 TP_TIMEOUT_S = 5.0
@@ -29,15 +27,8 @@ TP_TIMEOUT_S = 5.0
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def worker(model_dir: Path) -> AsyncIterator[WorkerServer]:
-    config = EngineConfig(model=str(model_dir), num_threads=1, max_model_len=512, num_kv_blocks=96,
-                          tensor_parallel_size=2, tp_timeout_s=TP_TIMEOUT_S)
-    server = WorkerServer(WorkerOptions(role="colocated", engine=config, port=free_port(), guard=GUARD,
-                                        heartbeat_s=0.2))
-    await server.start()
-    try:
+    async with guarded_worker(model_dir, tensor_parallel_size=2, tp_timeout_s=TP_TIMEOUT_S) as server:
         yield server
-    finally:
-        await server.stop(grace_s=1.0)
 
 
 def ranks(server: WorkerServer) -> tuple[psutil.Process, list[psutil.Process]]:

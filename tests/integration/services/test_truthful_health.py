@@ -7,11 +7,13 @@ exits 1 for its supervisor. Hostile kv_transfer values never take the engine dow
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -33,9 +35,10 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def worker(model_dir: Path) -> AsyncIterator[WorkerServer]:
-    config = EngineConfig(model=str(model_dir), num_threads=1, max_model_len=512, num_kv_blocks=96)
+@contextlib.asynccontextmanager
+async def guarded_worker(model_dir: Path, **engine: Any) -> AsyncIterator[WorkerServer]:
+    """A colocated worker whose guard reacts fast (GUARD), on the tiny model."""
+    config = EngineConfig(model=str(model_dir), num_threads=1, max_model_len=512, num_kv_blocks=96, **engine)
     server = WorkerServer(WorkerOptions(role="colocated", engine=config, port=free_port(), guard=GUARD,
                                         heartbeat_s=0.2))
     await server.start()
@@ -43,6 +46,12 @@ async def worker(model_dir: Path) -> AsyncIterator[WorkerServer]:
         yield server
     finally:
         await server.stop(grace_s=1.0)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def worker(model_dir: Path) -> AsyncIterator[WorkerServer]:
+    async with guarded_worker(model_dir) as server:
+        yield server
 
 
 def core_pid(server: WorkerServer) -> int:
