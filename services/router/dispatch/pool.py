@@ -299,9 +299,16 @@ class WorkerPool:
         return True
 
     def shared_tp_size(self) -> int | None:
-        """The tensor-parallel size every worker taking requests reports; None when they differ
-        (or none takes requests)."""
-        sizes = {w.tp_size for w in self.healthy}
+        """The tensor-parallel size every worker taking requests reports; None when they differ or
+        none takes requests. A worker that has not reported yet counts as 1 while every report so
+        far says 1 (a pool without tensor parallelism hands off early from its first request);
+        beside a larger reported size it makes the size unknown (None)."""
+        healthy = self.healthy
+        sizes = {w.tp_size for w in healthy if w.load is not None}
+        if any(w.load is None for w in healthy):
+            if sizes - {1}:
+                return None
+            sizes.add(1)
         return sizes.pop() if len(sizes) == 1 else None
 
     def saturated(self, max_waiting: int) -> bool:
