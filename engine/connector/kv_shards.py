@@ -116,6 +116,8 @@ class ShardReader:
         owner: list[tuple[int, int]] = []  # per physical key: (logical index, source rank)
         for i, key in enumerate(keys):
             world = world_of(key)
+            if not 1 <= world <= 64:  # (transfer_params refuses such keys before they get here)
+                raise ValueError(f"a KV key of world size {world}: {key!r}")
             for r in HeadSplit(self.layout.kv_heads, world).sources():
                 physical.append(rank_key(key, world, r))
                 owner.append((i, r))

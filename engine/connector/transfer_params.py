@@ -68,7 +68,13 @@ def _check_remote_prefill(params: dict[str, Any], num_prompt_tokens: int, chunk_
             raise ValueError(f"kv_transfer_params.keys[{i}]: must be a string of at most {MAX_TEXT} "
                              f"characters")
         try:
-            CacheEngineKey.from_string(key)
+            parsed = CacheEngineKey.from_string(key)
         except ValueError as e:
             raise ValueError(f"kv_transfer_params.keys[{i}]: not an LMCache CacheEngineKey "
                              f"(model@world_size@worker_id@hash@dtype): {e}") from None
+        # the world size says which ranks' objects a load reads (engine/connector/kv_shards.py)
+        tp = params.get("tp_size") or parsed.world_size
+        if not 1 <= parsed.world_size <= 64 or parsed.world_size != tp or parsed.worker_id != 0:
+            raise ValueError(f"kv_transfer_params.keys[{i}]: world_size must be the producer's "
+                             f"tp_size ({tp}, in [1, 64]) and worker_id 0 (rank 0's key), got "
+                             f"{parsed.world_size} and {parsed.worker_id}")

@@ -23,7 +23,9 @@ import msgspec
 
 from engine.core.outputs import SchedulerOutput
 
-BUFFER_BYTES = 16 * 2**20
+# A step's message holds the whole token ids of the requests it starts or resumes (about 5
+# bytes a token): 64 MiB is some 13 million tokens.
+BUFFER_BYTES = 64 * 2**20
 _LEN = struct.Struct("<Q")
 
 

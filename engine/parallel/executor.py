@@ -53,9 +53,9 @@ class TPExecutor:
                                   args=(config, r, rendezvous, self.channel.reader(r - 1)))
                       for r in range(1, size)]
         self.failure: str | None = None
+        self._on_failure: Callable[[str], None] | None = None
         self.runner: ModelRunner | None = None
         self._fds: list[int] = []
-        self.on_failure: Callable[[str], None] | None = None
         self._sampled: dict[str, int] = {}
         self._closing = threading.Event()
         _start_children(self.procs)
@@ -66,6 +66,22 @@ class TPExecutor:
             raise
         self._watcher = threading.Thread(target=self._watch, name="tp-watch", daemon=True)
         self._watcher.start()
+
+    @property
+    def on_failure(self) -> Callable[[str], None] | None:
+        return self._on_failure
+
+    @on_failure.setter
+    def on_failure(self, handler: Callable[[str], None] | None) -> None:
+        """Called when a rank dies; at once when one already died (while the engine was built)."""
+        self._on_failure = handler
+        if handler is not None and self.failure is not None:
+            handler(self.failure)
+
+    def check(self) -> None:
+        """RankFailed if a rank has died (the engine's build checks before it says it is ready)."""
+        if self.failure is not None:
+            raise RankFailed(self.failure)
 
     @staticmethod
     def threads(config: EngineConfig) -> int:
@@ -88,12 +104,17 @@ class TPExecutor:
             caches.append([mapped[slot] for slot in runner.layout.layer_slot])
         self._send(StepMessage(num_kv_blocks=runner.num_blocks, max_model_len=max_model_len,
                                kv_cache_fds=self._fds))
+        # every rank has built its runner (or one died: the engine is not ready)
+        try:
+            self.tp.sync_layer(-1)
+        except RuntimeError as exc:
+            raise RankFailed(self.failure or f"a tensor-parallel rank did not start: {exc}") from exc
+        self.check()
         return caches
 
     def before_step(self, scheduler_output: SchedulerOutput) -> None:
         """Sends the step to the other ranks (with what rank 0 sampled in the step before)."""
-        if self.failure is not None:
-            raise RankFailed(self.failure)
+        self.check()
         meta = scheduler_output.kv_connector_metadata
         sync = any(load.layerwise for load in getattr(meta, "loads", None) or [])
         so = replace(scheduler_output, kv_connector_metadata=None)
@@ -115,8 +136,8 @@ class TPExecutor:
                 self.failure = (f"tensor-parallel rank {self.procs.index(dead[0]) + 1} of "
                                 f"{self.config.tensor_parallel_size} exited (code {dead[0].exitcode})")
                 logger.error("%s; the engine stops", self.failure)
-                if self.on_failure is not None:
-                    self.on_failure(self.failure)
+                if self._on_failure is not None:
+                    self._on_failure(self.failure)
                 return
 
     def shutdown(self) -> None:

@@ -56,7 +56,9 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, reader: Step
                              config.model_len, config.max_num_batched_tokens, dtype, device,
                              eos_token_id_of(hf_config), config.seed, kv_layout(model, config),
                              kv_cache_fd=fd)
+        os.close(fd)  # (the mapping keeps its own)
         runner.samples = False
+        tp.sync_layer(-1)  # built: rank 0 says it is ready once every rank is
         while True:
             message = reader.recv(parent.is_alive)
             if message.shutdown or message.scheduler_output is None:
@@ -69,7 +71,11 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, reader: Step
 
 
 def threads_per_rank(config: EngineConfig) -> int:
-    """`num_threads`, else this machine's cores shared out between the ranks."""
+    """`num_threads`, else the CPUs this process may run on shared out between the ranks."""
     if config.num_threads is not None:
         return config.num_threads
-    return max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    try:
+        cpus = len(os.sched_getaffinity(0))  # the CPUs this worker may use (pinned: fewer)
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // config.tensor_parallel_size)

@@ -86,6 +86,14 @@ def test_request_finished_failing_still_ends_the_request_and_frees_it() -> None:
     ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
     ({"do_remote_decode": True, "transfer_id": "t" * 600}, "transfer_id"),
     ([1, 2], "must be a dict"),
+    # a key's world size says which ranks' objects a load reads: 0 would read none and call the
+    # prompt loaded, a huge one would make its release list every rank
+    ({"do_remote_prefill": True, "keys": ["m@0@0@7b@float"], "num_tokens": 3}, "keys[0]"),
+    ({"do_remote_prefill": True, "keys": ["m@1000000000@0@7b@float"], "num_tokens": 3},
+     "keys[0]: world_size"),
+    ({"do_remote_prefill": True, "keys": [KEY], "num_tokens": 3, "tp_size": 2}, "keys[0]: world_size"),
+    ({"do_remote_prefill": True, "keys": ["m@2@1@7b@float"], "num_tokens": 3}, "worker_id 0"),
+    ({"do_remote_decode": True, "tp_size": 0}, "tp_size"),
 ])
 def test_malformed_transfer_params_are_refused_naming_the_field(params: Any, field: str) -> None:
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
@@ -97,3 +105,5 @@ def test_well_formed_transfer_params_pass() -> None:
     check_transfer_params({"do_remote_decode": True, "transfer_id": "t1"}, 20, 16)
     check_transfer_params({"do_remote_prefill": True, "keys": [KEY, KEY], "num_tokens": 20,
                            "transfer_id": "t1", "kv_store_url": "grpc://h:1"}, 20, 16)
+    check_transfer_params({"do_remote_prefill": True, "keys": ["m@2@0@7b@float"], "num_tokens": 3,
+                           "tp_size": 2}, 20, 16)
