@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from engine.spec.config import SpeculativeConfig
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -116,8 +118,13 @@ class EngineConfig:
     # Structured outputs: "auto" picks xgrammar, else llguidance for what xgrammar cannot compile
     # (as vLLM); "xgrammar" / "guidance" use only that one.
     structured_outputs_backend: Literal["auto", "xgrammar", "guidance"] = "auto"
+    # Speculative decoding (engine/spec/): vLLM's speculative_config, as a SpeculativeConfig or
+    # its dict / JSON form (parsed here); None = off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         _check(bool(self.model), "model", "must be a model name or path")
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         if self.dtype == "auto":

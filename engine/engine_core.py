@@ -36,6 +36,7 @@ from engine.kv_cache_sizing import (
     fit_model_len,
     kv_layout,
 )
+from engine.spec.decoder import SpecDecoder
 from engine.structured.backends import Matcher, XgrammarMatcher
 from engine.structured.bitmask import GrammarBitmask
 from engine.structured.manager import StructuredOutputManager
@@ -113,6 +114,8 @@ class EngineCore:
             model, config.block_size, num_blocks, config.max_num_seqs, config.model_len,
             config.max_num_batched_tokens, dtype, device, eos_token_id_of(hf_config), config.seed,
             layout)
+        if config.speculative_config is not None:
+            self.runner.spec = SpecDecoder(config.speculative_config, config.model_len)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs)
         # every rank's cache (rank 0's connector moves them all); the other ranks build theirs
@@ -288,6 +291,7 @@ class EngineCore:
             step_seconds=self.step_seconds.copy(),
             kv_transfer=connector.get_transfer_stats() if connector is not None else None,
             requests=counters.histograms.copy(),
+            spec_decoding=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.copy(),
         )
 
     def reset_prefix_cache(self) -> bool:

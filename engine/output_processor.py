@@ -253,7 +253,17 @@ class OutputProcessor:
 
     def _update_sample(self, state: _RequestState, sample: _SampleState,
                        out: EngineCoreOutput) -> bool:
-        """Adds the output to the sample; True when a stop string ended it here."""
+        """Adds the output to the sample; True when a stop string ended it here. Several tokens
+        (speculative decoding's) with stop strings are added one by one: a stop string ends the
+        sample at the token that completes it, and the tokens after it are dropped, as without
+        speculation."""
+        if len(out.new_token_ids) > 1 and sample.params.stop:
+            for piece in _one_token_each(out):
+                if self._update_sample(state, sample, piece):
+                    return True
+                if sample.finished:
+                    return False
+            return False
         now = time.time()
         if out.new_token_ids and not state.metrics.first_token_time:
             state.metrics.first_token_time = now
@@ -303,6 +313,21 @@ class OutputProcessor:
                                              strict=True), start=1):
             result.setdefault(tid, Logprob(lp, rank, decode_token(self.tokenizer, tid)))
         return result
+
+
+def _one_token_each(out: EngineCoreOutput) -> list[EngineCoreOutput]:
+    """The output as one output per token; the last one carries the end and its details."""
+    n = len(out.new_token_ids)
+    pieces = []
+    for i, token in enumerate(out.new_token_ids):
+        last = i == n - 1
+        pieces.append(EngineCoreOutput(
+            out.request_id, [token], None if out.new_logprobs is None else out.new_logprobs[i:i + 1],
+            finish_reason=out.finish_reason if last else None,
+            stop_reason=out.stop_reason if last else None, times=out.times if last else None,
+            kv_transfer_params=out.kv_transfer_params if last else None,
+            prompt_logprobs=out.prompt_logprobs if i == 0 else None))
+    return pieces
 
 
 def find_stop_string(text: str, num_checked: int, stop: list[str],

@@ -28,12 +28,12 @@ from engine.core.outputs import (
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_sizing import mapped_caches, zeroed_cache
 from engine.parallel.group import then
-from engine.sample.logprobs import sampled_logprobs
-from engine.sample.metadata import SamplingMetadata
 from engine.sample.prompt_logprobs import prompt_logprobs
-from engine.sample.sampler import Sampler, SamplerOutput
+from engine.sample.sampler import Sampler
+from engine.sample.step import SampleStep, sample_step
 from engine.sampling_params import SamplingParams
-from engine.structured.bitmask import GrammarBitmask, apply_grammar
+from engine.spec.decoder import SpecDecoder
+from engine.structured.bitmask import GrammarBitmask
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorWorker
@@ -85,6 +85,14 @@ class RequestState:
         self.num_tokens += 1
         self.output_token_ids.append(token_id)
 
+    def put_drafts(self, drafts: list[int]) -> None:
+        """Writes draft tokens after the known ones (`num_tokens` unchanged): the step's inputs
+        read them, and the tokens emitted after verification overwrite them."""
+        end = self.num_tokens + len(drafts)
+        if end > len(self.token_buf):
+            self.token_buf = np.concatenate([self.token_buf, np.zeros(end, dtype=np.int64)])
+        self.token_buf[self.num_tokens:end] = drafts
+
 
 @dataclass
 class _Batch:
@@ -96,7 +104,8 @@ class _Batch:
     metadata: AttentionMetadata  # the first KV cache group's
     layer_metadata: list[AttentionMetadata] | None  # per layer, its group's (hybrid models)
     sample_req_idx: list[int]  # batch indices of the requests that sample
-    logits_rows: torch.Tensor  # [num_sampled] int64, each one's last token row
+    # [num_rows] int64: each sampling request's last token row, preceded by its drafts' rows
+    logits_rows: torch.Tensor
     starts: np.ndarray  # [num_reqs] int64: each one's first scheduled position (computed before)
     row_starts: np.ndarray  # [num_reqs] int64: each one's first row in the flattened batch
 
@@ -158,6 +167,7 @@ class ModelRunner:
         # rank (after rank 0 waited for the layer's load), so no rank reads a layer before rank
         # 0's connector wrote it into every rank's cache.
         self.layer_sync: Callable[[int], None] | None = None
+        self.spec: SpecDecoder | None = None  # speculative decoding's proposer (rank 0 only)
 
     def set_connector(self, connector: KVConnectorWorker) -> None:
         """The worker half of a KV connector; it sees the KV caches and every step."""
@@ -178,22 +188,28 @@ class ModelRunner:
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self._prompt_logprobs_reqs.discard(req_id)
+        if self.spec is not None:
+            self.spec.forget(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = self._new_state(new)
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs_reqs.add(new.req_id)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            if cached.num_kept_blocks is not None:  # the scheduler freed rejected drafts' blocks
+                for ids, kept in zip(state.block_ids, cached.num_kept_blocks, strict=True):
+                    del ids[kept:]
             for ids, new_ids in zip(state.block_ids, cached.new_block_ids, strict=True):
                 ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def append_sampled(self, sampled: dict[str, int]) -> None:
-        """Tensor-parallel ranks other than 0: the tokens rank 0 sampled in the last step."""
-        for req_id, token in sampled.items():
+    def append_sampled(self, sampled: dict[str, list[int]]) -> None:
+        """Tensor-parallel ranks other than 0: the tokens rank 0 emitted in the last step."""
+        for req_id, tokens in sampled.items():
             state = self.requests.get(req_id)
             if state is not None:
-                state.append_token(token)
+                for token in tokens:
+                    state.append_token(token)
 
     def _new_state(self, new: NewRequestData) -> RequestState:
         num_tokens = len(new.token_ids)
@@ -237,7 +253,8 @@ class ModelRunner:
                  grammar: GrammarBitmask | None = None) -> ModelRunnerOutput:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput([], [], [])
-        batch = self._prepare_batch(scheduler_output.num_scheduled_tokens)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        batch = self._prepare_batch(scheduler_output.num_scheduled_tokens, drafts)
         graphs = self.decode_graphs
         connector = self.connector
         meta = scheduler_output.kv_connector_metadata
@@ -259,18 +276,23 @@ class ModelRunner:
                                 before_layer=self.layer_sync,
                                 layer_metadata=batch.layer_metadata)  # [num_tokens, hidden]
         sampled: list[list[int]] = [[] for _ in batch.req_ids]
-        logprobs: list[LogprobsEntry | None] = [None] * len(batch.req_ids)
+        logprobs: list[list[LogprobsEntry] | None] = [None] * len(batch.req_ids)
+        spec_tokens: dict[str, list[int]] = {}
         if batch.sample_req_idx and not self.samples:
             self.model.compute_logits(hidden[batch.logits_rows])  # its part of the gather
         elif batch.sample_req_idx:
-            logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_sampled, vocab]
-            ids = [batch.req_ids[i] for i in batch.sample_req_idx]
-            states = [self.requests[r] for r in ids]
-            argmax_fix = None if grammar is None else apply_grammar(logits, ids, grammar)
-            out = self.sampler(logits, self._sampling_metadata(states), argmax_fix)
-            self._record(batch, states, out, sampled, logprobs)
+            logits = self.model.compute_logits(hidden[batch.logits_rows])  # [num_rows, vocab]
+            step = SampleStep([batch.req_ids[i] for i in batch.sample_req_idx], self.requests,
+                              drafts, self.eos_token_id, self.vocab_size, self.device)
+            emitted = sample_step(self.sampler, logits, step, grammar, self.spec)
+            for i, (tokens, entries) in zip(batch.sample_req_idx, emitted, strict=True):
+                sampled[i], logprobs[i] = tokens, entries
+            if self.spec is not None:
+                spec_tokens = self.spec.propose([self.requests[r] for r in step.req_ids],
+                                                len(batch.req_ids))
         any_logprobs = any(lp is not None for lp in logprobs)
-        result = ModelRunnerOutput(batch.req_ids, sampled, logprobs if any_logprobs else [])
+        result = ModelRunnerOutput(batch.req_ids, sampled, logprobs if any_logprobs else [],
+                                   spec_token_ids=spec_tokens)
         if self._prompt_logprobs_reqs:  # most steps have none: no per-request pass
             for i, req_id in enumerate(batch.req_ids):
                 if req_id in self._prompt_logprobs_reqs:
@@ -282,11 +304,14 @@ class ModelRunner:
                         result.prompt_logprobs[req_id] = (start, entries)
         return result
 
-    def _prepare_batch(self, num_scheduled: dict[str, int]) -> _Batch:
+    def _prepare_batch(self, num_scheduled: dict[str, int],
+                       drafts: dict[str, list[int]] | None = None) -> _Batch:
         if self._copies_done is not None:
             self._copies_done.synchronize()
         req_ids = list(num_scheduled)
         states = [self.requests[r] for r in req_ids]
+        for req_id, d in (drafts or {}).items():  # after the known tokens, until verified
+            self.requests[req_id].put_drafts(d)
         num_reqs = len(req_ids)
         query_lens = np.fromiter(num_scheduled.values(), dtype=np.int64, count=num_reqs)
         computed = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
@@ -318,7 +343,11 @@ class ModelRunner:
                       if self.layout.is_hybrid else None)
         sample_idx = [i for i, s in enumerate(states)
                       if query_lens[i] > 0 and seq_lens[i] >= s.num_tokens]
-        logits_rows = torch.tensor([int(cu[i + 1]) - 1 for i in sample_idx], dtype=torch.int64)
+        rows: list[int] = []
+        for i in sample_idx:  # the drafts' rows, then the last token's
+            end = int(cu[i + 1])
+            rows.extend(range(end - 1 - len(drafts.get(req_ids[i], ())) if drafts else end - 1, end))
+        logits_rows = torch.tensor(rows, dtype=torch.int64)
         batch = _Batch(req_ids, self._to_device(torch.from_numpy(ids)),
                        self._to_device(torch.from_numpy(pos)), group_meta[0], layer_meta,
                        sample_idx, logits_rows.to(self.device), computed, cu[:-1])
@@ -369,31 +398,3 @@ class ModelRunner:
         if self.device.type == "cpu":
             return t
         return t.to(self.device, non_blocking=True)
-
-    # --- sampling ---------------------------------------------------------------------
-    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
-        return SamplingMetadata.build(
-            params=[s.sampling_params for s in states],
-            output_token_ids=[s.output_token_ids for s in states],
-            prompt_token_ids=[s.prompt_token_ids for s in states],
-            eos_token_id=self.eos_token_id,
-            vocab_size=self.vocab_size,
-            device=self.device,
-        )
-
-    def _record(
-        self,
-        batch: _Batch,
-        states: list[RequestState],
-        out: SamplerOutput,
-        sampled: list[list[int]],
-        logprobs: list[LogprobsEntry | None],
-    ) -> None:
-        """Appends each sampled token to its request and fills the per-request outputs."""
-        token_ids = out.sampled_token_ids.tolist()
-        entries = sampled_logprobs([s.sampling_params.logprobs for s in states], out, token_ids)
-        for row, (i, state) in enumerate(zip(batch.sample_req_idx, states, strict=True)):
-            state.append_token(token_ids[row])
-            sampled[i] = [token_ids[row]]
-            logprobs[i] = entries[row]
-

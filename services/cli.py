@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.config import DEFAULT_MODEL
+from engine.spec.config import SpeculativeConfig
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +61,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tp-timeout-s", type=float, default=60.0,
                        help="how long a rank waits for the others in a collective: a rank that "
                             "hangs fails the step after this, and the worker restarts its engine")
+    group.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help="speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
+                            "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' (default: "
+                            "off; docs/speculative-decoding.md)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step, longer prefills are chunked (default 2048; "
                             "512 for prefill workers on the CPU, whose steps are compute-bound "
@@ -83,6 +88,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
                 num_threads=args.num_threads, sjf_max_wait_s=args.sjf_max_wait_s,
                 tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout_s,
+                speculative_config=SpeculativeConfig.parse(args.speculative_config),
                 **{k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                      ("scheduling_policy", args.scheduling_policy))
                    if v is not None})  # unset: EngineConfig's defaults

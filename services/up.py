@@ -30,6 +30,7 @@ from typing import Any
 
 from engine.config import DEFAULT_MODEL
 from engine.model.sources.default_model import is_default_model
+from engine.spec.config import SpeculativeConfig
 from services.procs import PortInUseError, check_ports_free, cli, listen
 from services.readiness import (
     router_alive,
@@ -82,6 +83,10 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--decode-tp", type=int, default=1,
                    help="each decode (or colocated) worker's tensor-parallel size; prefill and "
                         "decode may differ (the KV hand-off re-shards)")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding on the decode (and colocated) workers, vLLM's JSON, "
+                        "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' "
+                        "(default: off)")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="each worker's KV cache (default on the CPU: PDSERVE_CPU_KVCACHE_SPACE GiB "
                         "when set, else half the memory free at start divided among the workers "
@@ -192,7 +197,10 @@ def _prefill_args(args: argparse.Namespace) -> list[str]:
 
 
 def _decode_args(args: argparse.Namespace) -> list[str]:
-    return ["--tensor-parallel-size", str(args.decode_tp)] if args.decode_tp != 1 else []
+    out = ["--tensor-parallel-size", str(args.decode_tp)] if args.decode_tp != 1 else []
+    if args.speculative_config is not None:
+        out += ["--speculative-config", args.speculative_config]
+    return out
 
 
 def _metrics_args(args: argparse.Namespace, grpc_port: int) -> list[str]:
@@ -256,6 +264,11 @@ def _ports(args: argparse.Namespace) -> dict[int, str]:
     for flag, tp in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
         if not 1 <= tp <= 64:
             raise ValueError(f"{flag}: must be in [1, 64], got {tp}")
+    if args.speculative_config is not None:  # a bad one is refused before anything starts
+        try:
+            SpeculativeConfig.parse(args.speculative_config)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: {e}") from None
     role = "colocated" if args.colocated else "decode"
     named = [(args.port, "router")]
     if _liveness_port(args):

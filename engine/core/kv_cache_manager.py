@@ -252,6 +252,20 @@ class KVCacheManager:
         return sum(1 for blocks in self.req_to_blocks.get(request_id, []) for b in blocks
                    if not b.is_null)
 
+    def trim(self, request: Request, num_tokens: int) -> list[int] | None:
+        """Frees the request's blocks past those its first `num_tokens` tokens need (blocks that
+        only rejected draft tokens filled; never recorded in the prefix cache). Returns the
+        blocks kept per group, or None when none was freed."""
+        groups = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not groups or all(len(blocks) <= keep for blocks in groups):
+            return None
+        for blocks in groups:
+            extra = blocks[keep:]
+            del blocks[keep:]
+            self.block_pool.free_blocks(b for b in reversed(extra) if not b.is_null)
+        return [len(blocks) for blocks in groups]
+
     def free(self, request: Request) -> None:
         """Returns the request's blocks; the last ones become the first to be evicted."""
         groups = self.req_to_blocks.pop(request.request_id, [])

@@ -132,6 +132,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[list[int]]  # per KV cache group, appended to its block table
     num_computed_tokens: int  # before this step
+    # Per group: the blocks the request still holds before `new_block_ids` (the scheduler freed
+    # blocks that only rejected drafts had filled); None: all it held.
+    num_kept_blocks: list[int] | None = None
 
 
 @dataclass
@@ -149,6 +152,9 @@ class SchedulerOutput:
     # Requests with structured outputs that sample this step, in batch order: the engine core
     # fills their grammar bitmask rows.
     structured_output_request_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last known token (its
+    # scheduled tokens count them: 1 + len(drafts))
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -156,12 +162,15 @@ class ModelRunnerOutput:
     """Sampled tokens of one step. Requests still in prefill get an empty list."""
 
     req_ids: list[str]
-    sampled_token_ids: list[list[int]]  # same order as req_ids
-    logprobs: list[LogprobsEntry | None] = field(default_factory=list)  # same order, or empty
+    sampled_token_ids: list[list[int]]  # same order as req_ids (several with drafts kept)
+    # same order, or empty: per request, an entry per sampled token, or None
+    logprobs: list[list[LogprobsEntry] | None] = field(default_factory=list)
     kv_connector_output: Any = None  # engine.connector.base.KVConnectorOutput, or None
     # Requests with prompt_logprobs whose prompt positions ran this step: req_id -> (j, entries),
     # entries[k] for the prompt token at j + 1 + k (predicted at position j + k).
     prompt_logprobs: dict[str, tuple[int, list[LogprobsEntry]]] = field(default_factory=dict)
+    # Speculative decoding: req_id -> drafts proposed for its next step
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -307,3 +316,28 @@ class EngineStats:
     step_seconds: Histogram = field(default_factory=_step_histogram)  # steps that computed tokens
     kv_transfer: KVTransferStats | None = None  # None without a KV connector
     requests: RequestHistograms = field(default_factory=RequestHistograms.create)
+    spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
+
+
+@dataclass
+class SpecDecodingStats:
+    """vLLM's speculative-decoding counters since start-up: verifications with drafts, tokens
+    drafted, drafts accepted, and accepted ones per draft position (0 = the first draft)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_drafted:
+            self.accepted_per_pos.extend([0] * (num_drafted - len(self.accepted_per_pos)))
+        for pos in range(num_accepted):
+            self.accepted_per_pos[pos] += 1
+
+    def copy(self) -> SpecDecodingStats:
+        return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                                 list(self.accepted_per_pos))

@@ -82,6 +82,7 @@ class Request:
         self.grammar: GrammarState | None = None  # with structured_outputs (set by the engine core)
         # Dispatched beside its prefill: never computed here before `add_first_token`.
         self.awaiting_first_token = await_first_token
+        self.spec_token_ids: list[int] = []  # drafts proposed for its next step
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

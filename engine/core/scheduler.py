@@ -35,7 +35,7 @@ from engine.core.request_queue import ShortestFirstQueue, make_queue, tokens_lef
 from engine.core.request_stats import SchedulerCounters
 from engine.core.scheduler_fsm import GrammarWaits
 from engine.core.scheduler_kv import KVLoads, WaitingStep
-from engine.core.stop_check import check_stop
+from engine.core.scheduler_spec import SpecSchedule
 
 if TYPE_CHECKING:
     from engine.connector.base import KVConnectorScheduler
@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 EARLY_MAX_KV_USAGE = 0.75
 
 
-class Scheduler(KVLoads, GrammarWaits):
+class Scheduler(KVLoads, GrammarWaits, SpecSchedule):
     def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
                  connector: KVConnectorScheduler | None = None) -> None:
         self.max_model_len = config.model_len
@@ -64,6 +64,7 @@ class Scheduler(KVLoads, GrammarWaits):
         self.counters = SchedulerCounters.create(config.model_len)
         KVLoads.__init__(self, connector, config.kv_load_failure_policy)
         GrammarWaits.__init__(self)
+        SpecSchedule.__init__(self, config.speculative_config)
 
     # --- requests in and out -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -76,6 +77,7 @@ class Scheduler(KVLoads, GrammarWaits):
         """Ends the given unfinished requests (e.g. aborts); unknown ids are ignored."""
         ended = []
         for req_id in request_ids:
+            self._trimmed.pop(req_id, None)
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
                 continue
@@ -124,13 +126,17 @@ class Scheduler(KVLoads, GrammarWaits):
             self._admit_compiled()
 
         deferred = self._sjf_deferred(now) if isinstance(self.waiting, ShortestFirstQueue) else set()
-        budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted, deferred)
+        drafts: dict[str, list[int]] = {}
+        budget = self._schedule_running(budget, num_scheduled, new_blocks, preempted, drafts,
+                                        deferred)
         resumed: set[str] = set()
         if not preempted:
             budget = self._schedule_waiting(budget, num_scheduled, new_blocks, resumed, now)
             if deferred and budget > 0:
-                self._schedule_running(budget, num_scheduled, new_blocks, preempted, only=deferred)
+                self._schedule_running(budget, num_scheduled, new_blocks, preempted, drafts,
+                                       only=deferred)
         out = self._build_output(num_scheduled, new_blocks, resumed, preempted)
+        out.scheduled_spec_decode_tokens = {r: d for r, d in drafts.items() if r in num_scheduled}
         out.structured_output_request_ids = self.constrained_samplers(num_scheduled)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
@@ -165,9 +171,11 @@ class Scheduler(KVLoads, GrammarWaits):
 
     def _schedule_running(self, budget: int, num_scheduled: dict[str, int],
                           new_blocks: dict[str, list[list[int]]], preempted: list[Request],
+                          drafts: dict[str, list[int]],
                           skip: set[str] | frozenset[str] = frozenset(),
                           only: set[str] | None = None) -> int:
-        """Schedules running requests in order (those in `skip` not, or only those in `only`).
+        """Schedules running requests in order (those in `skip` not, or only those in `only`),
+        decodes with their drafts (in `drafts`).
         The `only` pass (sjf's deferred prefills) never preempts a request this step scheduled,
         the requests just taken from the waiting queue included: it leaves its own for later."""
         idx = 0
@@ -185,10 +193,15 @@ class Scheduler(KVLoads, GrammarWaits):
                 idx += 1
                 continue
             held = False  # not preempted either: waits for the next step
+            k = self._draft_count(request, n, budget)
+            n += k
             while True:
                 blocks = self.kv.allocate_slots(request, n)
                 if blocks is not None:
                     break
+                if k:  # the drafts' slots do not fit: a plain decode before any preemption
+                    n, k = n - k, 0
+                    continue
                 if only is not None and self.running[-1].request_id in num_scheduled:
                     held = True  # the next victim was scheduled in this step
                     break
@@ -206,6 +219,8 @@ class Scheduler(KVLoads, GrammarWaits):
                 continue  # the request itself was preempted
             num_scheduled[request.request_id] = n
             new_blocks[request.request_id] = [[b.block_id for b in group] for group in blocks]
+            if k:
+                drafts[request.request_id] = request.spec_token_ids[:k]
             budget -= n
             idx += 1
         return budget
@@ -220,6 +235,7 @@ class Scheduler(KVLoads, GrammarWaits):
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.times.num_preemptions += 1
+        victim.spec_token_ids = []
         self.counters.preemptions += 1
         self.waiting.prepend(victim)
         return victim
@@ -304,13 +320,15 @@ class Scheduler(KVLoads, GrammarWaits):
             request = self.requests[req_id]
             if req_id not in self._known_by_runner or req_id in resumed:
                 self._known_by_runner.add(req_id)
+                self._trimmed.pop(req_id, None)
                 new_reqs.append(NewRequestData(
                     req_id, list(request.all_token_ids), request.num_prompt_tokens,
                     request.sampling_params, new_blocks[req_id], request.num_computed_tokens,
                     request.cache_salt))
             else:
                 cached_reqs.append(CachedRequestData(
-                    req_id, new_blocks[req_id], request.num_computed_tokens))
+                    req_id, new_blocks[req_id], request.num_computed_tokens,
+                    self._trimmed.pop(req_id, None)))
         finished, self._finished_for_runner = self._finished_for_runner, set()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -328,6 +346,7 @@ class Scheduler(KVLoads, GrammarWaits):
         self.update_connector_output(runner_output.kv_connector_output)
         outputs, self._failed_outputs = self._failed_outputs, []
         logprobs = runner_output.logprobs or [None] * len(runner_output.req_ids)
+        drafted = scheduler_output.scheduled_spec_decode_tokens
         for req_id, token_ids, lp in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                          logprobs, strict=False):
             request = self.requests.get(req_id)
@@ -340,9 +359,11 @@ class Scheduler(KVLoads, GrammarWaits):
             if not token_ids or request is None or request.is_finished:
                 continue
             first = request.num_new_output_tokens == 0
+            if req_id in drafted:
+                self._verified(request, len(drafted[req_id]), len(token_ids))
+            token_ids, lp, stopped = self._append_checked(request, list(token_ids), lp)
             self.counters.on_tokens(request, len(token_ids), now)
-            request.append_output_token_ids(token_ids)
-            out = EngineCoreOutput(req_id, list(token_ids), [lp] if lp is not None else None)
+            out = EngineCoreOutput(req_id, token_ids, lp)
             if first and request.sampling_params.prompt_logprobs is not None:
                 out.prompt_logprobs = list(request.prompt_logprobs)
             grammar_error = self._advance_grammar(request, token_ids)
@@ -350,7 +371,7 @@ class Scheduler(KVLoads, GrammarWaits):
                 self._fail(request, grammar_error)
                 outputs.append(self._failed_outputs.pop())
                 continue
-            if check_stop(request, self.max_model_len) or self._grammar_ended(request):
+            if stopped or self._grammar_ended(request):
                 self.running.remove(request)
                 self._free(request)
                 request.times.finished_time = now
@@ -359,6 +380,10 @@ class Scheduler(KVLoads, GrammarWaits):
                 out.stop_reason = request.stop_reason
                 out.times = request.times
                 out.kv_transfer_params = request.kv_transfer_params
+            else:
+                request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
+                if req_id in drafted:
+                    self._trim_rejected(request)
             outputs.append(out)
         self.counters.end_step()
         return EngineCoreOutputs(outputs=outputs, timestamp=now)

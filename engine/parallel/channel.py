@@ -36,7 +36,7 @@ class StepMessage:
     engine's start (`num_kv_blocks`, once) or end (`shutdown`)."""
 
     scheduler_output: SchedulerOutput | None = None
-    sampled: dict[str, int] = field(default_factory=dict)
+    sampled: dict[str, list[int]] = field(default_factory=dict)
     num_kv_blocks: int = 0
     max_model_len: int = 0
     kv_cache_fds: list[int] = field(default_factory=list)  # rank 0's fd of each other rank's cache

@@ -56,7 +56,7 @@ class TPExecutor:
         self._on_failure: Callable[[str], None] | None = None
         self.runner: ModelRunner | None = None
         self._fds: list[int] = []
-        self._sampled: dict[str, int] = {}
+        self._sampled: dict[str, list[int]] = {}
         self._closing = threading.Event()
         _start_children(self.procs)
         try:
@@ -124,7 +124,7 @@ class TPExecutor:
             self.runner.layer_sync = self.tp.sync_layer if sync else None
 
     def after_step(self, output: ModelRunnerOutput) -> None:
-        self._sampled = {r: t[0] for r, t in zip(output.req_ids, output.sampled_token_ids, strict=True) if t}
+        self._sampled = {r: t for r, t in zip(output.req_ids, output.sampled_token_ids, strict=True) if t}
 
     def _send(self, message: StepMessage) -> None:
         self.channel.send(message, self.config.tp_timeout_s)

@@ -33,7 +33,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from engine.config import EngineConfig
-from engine.core.outputs import EngineStats, Histogram, RequestHistograms
+from engine.core.outputs import EngineStats, Histogram, RequestHistograms, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +119,23 @@ class EngineStatsCollector(Collector):
         yield from self._request_histograms(stats.requests)
         yield self._cache_config_info(stats)
         yield from self._transfer_metrics(stats)
+        if stats.spec_decoding is not None:
+            yield from self._spec_metrics(stats.spec_decoding)
+
+    def _spec_metrics(self, spec: SpecDecodingStats) -> Iterator[Metric]:
+        """vLLM's speculative-decoding counters (mean acceptance length: 1 + accepted / drafts)."""
+        yield self._counter("vllm:spec_decode_num_drafts", "Verification steps with drafts.",
+                            spec.num_drafts)
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                            spec.num_draft_tokens)
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            spec.num_accepted_tokens)
+        family = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted, per draft position (0 = the first).",
+                                     labels=[*self._names, "position"])
+        for pos, n in enumerate(spec.accepted_per_pos):
+            family.add_metric([*self._values, str(pos)], n)
+        yield family
 
     def _request_histograms(self, requests: RequestHistograms) -> Iterator[Metric]:
         for name, attr, doc in _REQUEST_HISTOGRAMS:

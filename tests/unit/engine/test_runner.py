@@ -215,8 +215,9 @@ def test_logprobs_are_returned_for_requests_that_ask(model: CausalLM, hf_model: 
     sched.add("a", prompt, SamplingParams(temperature=0.0, logprobs=3))
     sched.add("b", _prompt(14, 8))
     out = sched.step({"a": 8, "b": 8})
-    entry, none = out.logprobs
-    assert none is None and entry is not None
+    entries, none = out.logprobs
+    assert none is None and entries is not None and len(entries) == 1
+    entry = entries[0]
     with torch.no_grad():
         ref = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0, -1].double(), -1)
     top = ref.topk(3)

@@ -133,11 +133,11 @@ def test_a_step_message_crosses_to_another_process_unchanged() -> None:
     proc = ctx.Process(target=_echo, args=(channel.reader(0), theirs))
     proc.start()
     try:
-        sent = StepMessage(scheduler_output=so, sampled={"b": 42})
+        sent = StepMessage(scheduler_output=so, sampled={"b": [42, 43]})
         channel.send(sent, timeout_s=30)
         assert mine.poll(60)
         assert mine.recv() == sent
     finally:
         proc.join(timeout=30)
     with pytest.raises(ValueError, match="exceeds the tensor-parallel channel's 65536 bytes"):
-        channel.send(StepMessage(sampled={str(i): i for i in range(20000)}), timeout_s=1)
+        channel.send(StepMessage(sampled={str(i): [i] for i in range(20000)}), timeout_s=1)

@@ -1,0 +1,64 @@
+"""The runner's proposer: after a step's tokens are known, drafts for each request that goes on
+decoding, sized per request by engine/spec/adaptive.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+from engine.spec.adaptive import DraftBudget
+from engine.spec.config import SpeculativeConfig
+from engine.spec.ngram import propose_ngram
+
+
+class DraftSource(Protocol):
+    """What the proposer reads of a request (the runner's RequestState)."""
+
+    req_id: str
+    sampling_params: SamplingParams
+    token_buf: np.ndarray
+    num_tokens: int
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self._budgets: dict[str, DraftBudget] = {}
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._budgets.pop(req_id, None)
+
+    def record(self, req_id: str, num_drafted: int, num_accepted: int) -> None:
+        self._budget(req_id).record(num_drafted, num_accepted)
+
+    def propose(self, states: Iterable[DraftSource], num_decoding: int) -> dict[str, list[int]]:
+        """Drafts for the next step of each request (none for requests with a grammar, whose
+        drafts the matcher would have to check, or when more than `disable_by_batch_size`
+        requests decode)."""
+        cfg = self.config
+        if cfg.disable_by_batch_size is not None and num_decoding > cfg.disable_by_batch_size:
+            return {}
+        drafts: dict[str, list[int]] = {}
+        for s in states:
+            if s.sampling_params.structured_outputs is not None:
+                continue
+            k = min(self._budget(s.req_id).length(cfg.num_speculative_tokens),
+                    self.max_model_len - s.num_tokens - 1)
+            if k < 1:
+                continue
+            d = propose_ngram(s.token_buf[:s.num_tokens], k, cfg.prompt_lookup_min,
+                              cfg.prompt_lookup_max)
+            if d:
+                drafts[s.req_id] = d
+        return drafts
+
+    def _budget(self, req_id: str) -> DraftBudget:
+        budget = self._budgets.get(req_id)
+        if budget is None:
+            budget = self._budgets[req_id] = DraftBudget()
+        return budget

@@ -1,0 +1,193 @@
+"""Speculative decoding (n-gram drafts) never changes output: each request's tokens, logprobs,
+texts and finish reasons with speculation equal those without it, for every sampling parameter
+and in batch, chunked-prefill, prefix-hit, preemption, n > 1 and structured-output runs; no
+block leaks; unseeded sampling with speculation follows the target distribution.
+
+Prompts repeat a stretch of the tiny model's own greedy continuation, so n-gram drafts are
+often right and each test also checks that drafts were accepted (a test whose drafts are all
+rejected would prove nothing). Logprobs are compared within 1e-4 (float32: verifying several
+positions in one forward changes the GEMM shapes, not the tokens).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from engine.structured.params import StructuredOutputsParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+ENGINE = dict(num_threads=1, max_model_len=256, num_kv_blocks=160, dtype="float32")
+
+
+def _llm(path: Path, **kw: Any) -> Any:
+    from engine.llm import LLM
+
+    return LLM(model=str(path), **{**ENGINE, **kw})
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def plain(model: Path) -> Any:
+    return _llm(model)
+
+
+@pytest.fixture(scope="module")
+def spec(model: Path) -> Any:
+    return _llm(model, speculative_config=SPEC)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain: Any) -> list[list[int]]:
+    """Prompts followed by a stretch of their own greedy continuation and the prompt again: the
+    model's next tokens are likely to repeat what follows, which n-gram lookup drafts."""
+    bases = [[300 + 7 * i + j for j in range(6 + 3 * i)] for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = plain.generate(bases, greedy, use_tqdm=False)
+    return [b + list(o.outputs[0].token_ids) + b for b, o in zip(bases, outs, strict=True)]
+
+
+def _run(llm: Any, prompts: list[list[int]], params: Any) -> list[Any]:
+    return [[(list(c.token_ids), c.text, c.finish_reason, c.stop_reason,
+              None if c.logprobs is None else [{t: lp.logprob for t, lp in d.items()}
+                                                for d in c.logprobs]) for c in o.outputs]
+            for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _assert_same(a: list[Any], b: list[Any]) -> None:
+    for req_a, req_b in zip(a, b, strict=True):
+        for (tok_a, text_a, fin_a, stop_a, lp_a), (tok_b, text_b, fin_b, stop_b, lp_b) in zip(
+                req_a, req_b, strict=True):
+            assert tok_a == tok_b
+            assert (text_a, fin_a, stop_a) == (text_b, fin_b, stop_b)
+            assert (lp_a is None) == (lp_b is None)
+            for da, db in zip(lp_a or [], lp_b or [], strict=True):
+                assert da.keys() == db.keys()
+                assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
+
+
+def _accepted(llm: Any) -> int:
+    return llm.get_stats().spec_decoding.num_accepted_tokens
+
+
+def _drafted(llm: Any) -> int:
+    return llm.get_stats().spec_decoding.num_draft_tokens
+
+
+def _assert_no_leak(llm: Any) -> None:
+    stats = llm.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert stats.num_running == stats.num_waiting == 0
+
+
+PARAMS = {
+    "greedy": dict(temperature=0.0),
+    "greedy_logprobs": dict(temperature=0.0, logprobs=3),
+    # (the tiny random model's distributions are flat: low temperatures or small top-k give
+    # drafts a chance)
+    "seeded": dict(temperature=0.8, top_k=2, seed=11, logprobs=2),
+    "top_p_top_k": dict(temperature=0.7, top_p=0.9, top_k=3, seed=3),
+    "min_p": dict(temperature=0.5, min_p=0.3, seed=4),
+    "penalties": dict(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3,
+                      presence_penalty=0.2),
+    "seeded_penalties": dict(temperature=0.6, top_k=3, seed=9, frequency_penalty=0.5),
+    "min_tokens_bad_words": dict(temperature=0.0, min_tokens=20, ignore_eos=False),
+    "logit_bias": dict(temperature=0.0, logit_bias={2: 3.0}),
+}
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_speculation_leaves_outputs_of_every_sampling_parameter_unchanged(
+        plain: Any, spec: Any, prompts: list[list[int]], name: str) -> None:
+    params = SamplingParams(**{"max_tokens": 40, "ignore_eos": True, **PARAMS[name]})
+    accepted, drafted = _accepted(spec), _drafted(spec)
+    _assert_same(_run(plain, prompts, params), _run(spec, prompts, params))
+    assert _drafted(spec) > drafted  # drafts were verified
+    if name not in ("seeded", "penalties", "seeded_penalties"):  # these rarely repeat
+        assert _accepted(spec) > accepted
+    _assert_no_leak(spec)
+
+
+def test_stop_tokens_strings_and_max_tokens_met_inside_drafts_end_the_output_there(
+        plain: Any, spec: Any, prompts: list[list[int]]) -> None:
+    greedy = _run(plain, prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    # each request stops on its 15th greedy token (an id), or on the text of its 20th
+    stop_ids = [SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[g[0][0][14]])
+                for g in greedy]
+    _assert_same(_run(plain, prompts, stop_ids), _run(spec, prompts, stop_ids))
+    tok = spec.get_tokenizer()
+    stop_strs = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                                stop=[tok.decode(g[0][0][19:21]).strip() or "x"]) for g in greedy]
+    _assert_same(_run(plain, prompts, stop_strs), _run(spec, prompts, stop_strs))
+    for max_tokens in (1, 2, 7, 13):  # a length limit can fall inside a step's drafts
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        _assert_same(_run(plain, prompts, params), _run(spec, prompts, params))
+    _assert_no_leak(spec)
+
+
+def test_n_greater_than_one_and_a_structured_request_beside_drafted_ones(
+        plain: Any, spec: Any, prompts: list[list[int]]) -> None:
+    params = SamplingParams(n=3, temperature=0.9, seed=21, max_tokens=30, ignore_eos=True)
+    _assert_same(_run(plain, prompts, params), _run(spec, prompts, params))
+    choice = StructuredOutputsParams(choice=["alpha beta gamma", "delta"])
+    mixed = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                            structured_outputs=choice if i == 0 else None)
+             for i in range(len(prompts))]
+    before = _accepted(spec)
+    out_plain, out_spec = _run(plain, prompts, mixed), _run(spec, prompts, mixed)
+    _assert_same(out_plain, out_spec)
+    assert out_spec[0][0][1] in ("alpha beta gamma", "delta")
+    assert _accepted(spec) > before
+    _assert_no_leak(spec)
+
+
+def test_chunked_prefill_prefix_hits_and_preemption_keep_outputs(
+        model: Path, plain: Any, prompts: list[list[int]]) -> None:
+    # 24 blocks of 16 tokens for 8 requests growing to ~90 tokens each: preemptions; a 24-token
+    # step budget chunks every prompt; the prompts come twice, the second time from the cache
+    tight = _llm(model, speculative_config=SPEC, num_kv_blocks=25, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0.5, top_k=2, seed=5, max_tokens=48, ignore_eos=True,
+                            logprobs=1)
+    twice = prompts + prompts
+    _assert_same(_run(plain, twice, params), _run(tight, twice, params))
+    stats = tight.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.spec_decoding.num_accepted_tokens > 0
+    _assert_no_leak(tight)
+
+
+def test_unseeded_sampling_with_speculation_follows_the_target_distribution(
+        plain: Any, spec: Any, prompts: list[list[int]]) -> None:
+    """Two-sample chi-square test: the first three tokens of 600 unseeded samples with drafts
+    against 600 without, over the 7 most frequent outcomes and the rest (df = 7). The threshold
+    24.32 is chi-square's 0.999 quantile at 7 df: a correct verifier fails one run in 1,000."""
+    params = SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True)
+    prompt = prompts[0]
+    before = _accepted(spec)
+    draws = {}
+    for name, llm in (("plain", plain), ("spec", spec)):
+        outs = llm.generate([prompt] * 600, params, use_tqdm=False)
+        draws[name] = Counter(tuple(o.outputs[0].token_ids) for o in outs)
+    assert _accepted(spec) - before > 100
+    pooled = draws["plain"] + draws["spec"]
+    top = [k for k, _ in pooled.most_common(7)]
+    rows = [[counts[k] for k in top] + [sum(counts.values()) - sum(counts[k] for k in top)]
+            for counts in (draws["plain"], draws["spec"])]
+    total = sum(map(sum, rows))
+    stat = 0.0
+    for j in range(len(rows[0])):
+        col = rows[0][j] + rows[1][j]
+        for row in rows:
+            expected = sum(row) * col / total
+            if expected > 0:
+                stat += (row[j] - expected) ** 2 / expected
+    assert stat < 24.32, (stat, rows)
