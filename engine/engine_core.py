@@ -39,6 +39,7 @@ from engine.kv_cache_sizing import (
 from engine.spec.decoder import SpecDecoder
 from engine.structured.backends import Matcher, XgrammarMatcher
 from engine.structured.bitmask import GrammarBitmask
+from engine.structured.draft_rows import draft_rows
 from engine.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
@@ -191,7 +192,8 @@ class EngineCore:
             return EngineCoreOutputs()
         start = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
-        grammar = self._grammar_bitmask(scheduler_output.structured_output_request_ids)
+        grammar = self._grammar_bitmask(scheduler_output.structured_output_request_ids,
+                                        scheduler_output.scheduled_spec_decode_tokens)
         try:
             if self.tp_executor is not None:
                 self.tp_executor.before_step(scheduler_output)
@@ -214,7 +216,8 @@ class EngineCore:
                 time.sleep(idle_sleep_s)  # only KV loads in flight or grammars compiling: no spin
         return outputs
 
-    def _grammar_bitmask(self, req_ids: list[str]) -> GrammarBitmask | None:
+    def _grammar_bitmask(self, req_ids: list[str],
+                         drafts: dict[str, list[int]] | None = None) -> GrammarBitmask | None:
         """The bitmask rows of this step's constrained samplers (one pass over their matchers).
         On a GPU they are filled in the manager's fill thread while the forward runs on the
         device. On CPU they are filled here, before the forward, with the additive mask the
@@ -223,11 +226,14 @@ class EngineCore:
         the step 15.5 ms overlapped, against ~6.5 ms of fill done first). On CPU, the rows an
         argmax samples (`_checkable`) are not filled here at all: the sampler checks their
         unmasked choice and a row is filled only when its grammar refuses it (ArgmaxCheck;
-        3 greedy rows in 4 of the structured benchmark's need no mask)."""
+        3 greedy rows in 4 of the structured benchmark's need no mask). A request with drafts
+        gets a row per drafted position (engine/structured/draft_rows.py), filled here."""
         if not req_ids:
             return None
         on_cpu = self.runner.device.type == "cpu"
         requests = self.scheduler.requests
+        if drafts and any(r in drafts for r in req_ids):
+            return draft_rows(self.structured, req_ids, self._matchers(req_ids), drafts, on_cpu)
         filled: list[str] = []
         checked: list[str] = []
         for req_id in req_ids:

@@ -185,11 +185,13 @@ class ModelRunner:
 
     # --- state ------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
+        if self.spec is not None:
+            self.spec.forget(so.finished_req_ids | so.preempted_req_ids,
+                             {r: self.requests[r].output_token_ids for r in so.finished_req_ids
+                              if r in self.requests})
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             self._prompt_logprobs_reqs.discard(req_id)
-        if self.spec is not None:
-            self.spec.forget(so.finished_req_ids | so.preempted_req_ids)
         for new in so.scheduled_new_reqs:
             self.requests[new.req_id] = self._new_state(new)
             if new.sampling_params.prompt_logprobs is not None:

@@ -2,23 +2,44 @@
 
 A running request caught up with its tokens (a decode) is scheduled with the drafts the runner
 proposed after its last step: `1 + k` tokens, budget and slots counted for all, `k` cut to what
-the budget, `max_model_len` and the request's `max_tokens` leave, and to 0 when more requests
+the budget, `max_model_len` and the request's `max_tokens` leave, and to its share of
+`max_draft_tokens_per_step` (that divided by the running requests), and to 0 when more requests
 decode than `disable_by_batch_size`, or when the drafts' blocks would not fit (the request then
-runs as a plain decode before anything is preempted). After the step, `num_computed_tokens` goes
-back over the rejected drafts (their KV is stale and is overwritten later), the blocks that only
-they filled are freed, and the emitted tokens are appended one at a time, each checked for a
-stop, so a stop token or `max_tokens` met early drops the tokens after it. Prefix caching, the
-connector and the store see only verified tokens: blocks are recorded up to the request's
-known tokens, never its drafts.
+runs as a plain decode before anything is preempted). A request with a grammar keeps only the
+drafts its grammar accepts.
+
+After the step, `num_computed_tokens` goes back over the rejected drafts (their KV is stale and
+is overwritten later), the blocks that only they filled are freed, and the emitted tokens are
+appended one at a time, each checked for a stop, so a stop token or `max_tokens` met early drops
+the tokens after it. Prefix caching, the connector and the store see only verified tokens:
+blocks are recorded up to the request's known tokens, never its drafts.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.outputs import LogprobsEntry, SpecDecodingStats
 from engine.core.request import Request
 from engine.core.stop_check import check_stop
 from engine.spec.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from engine.structured.backends import Matcher
+
+
+def valid_draft(matcher: Matcher, drafts: list[int]) -> int:
+    """How many of the drafts, in order, a request's grammar accepts (checked on a fork: the
+    request's matcher stays where it is). Drafts end at a token the grammar refuses or after
+    the one that ends it; the engine core fills a bitmask row for each drafted position."""
+    fork = matcher.fork()
+    n = 0
+    for token in drafts:
+        if fork.is_terminated() or not fork.accept_tokens([token]):
+            break
+        n += 1
+    return n
 
 
 class SpecSchedule:
@@ -44,8 +65,13 @@ class SpecSchedule:
         max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - request.num_prompt_tokens
-        return max(0, min(len(drafts), budget - n, self.max_model_len - request.num_tokens - 1,
-                          max_tokens - request.num_output_tokens - 1))
+        share = cfg.draft_tokens_per_step // max(1, len(self.running))
+        k = max(0, min(len(drafts), share, budget - n, self.max_model_len - request.num_tokens - 1,
+                       max_tokens - request.num_output_tokens - 1))
+        grammar = request.grammar
+        if k and grammar is not None and grammar.matcher is not None:
+            k = valid_draft(grammar.matcher, drafts[:k])
+        return k
 
     def _verified(self, request: Request, num_drafts: int, num_emitted: int) -> None:
         """The step verified `num_drafts` drafts and emitted `num_emitted` tokens: rejected

@@ -1,9 +1,20 @@
 """`speculative_config`, in vLLM's JSON form: which proposer, how many tokens it drafts.
 
-Accepted keys (vLLM's names): `method` ("ngram"), `num_speculative_tokens`,
-`prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths tried, longest first) and
-`disable_by_batch_size` (no drafts in a step with more decoding requests than this). A key or
-method this engine does not implement is refused with its name, never ignored.
+Accepted keys (vLLM's names): `method` ("ngram" or "suffix"), `num_speculative_tokens`,
+`prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths tried, longest first),
+`suffix_decoding_max_tree_depth`, `suffix_decoding_max_cached_requests` (finished requests
+whose outputs the worker-wide trie holds; 0: the request's own tokens only),
+`suffix_decoding_max_spec_factor` (a draft is at most this x the matched length),
+`suffix_decoding_min_token_prob` (a draft stops where its cumulative share falls below this),
+and `disable_by_batch_size` (no drafts in a step with more decoding requests than this). One key
+is pdserve's own: `max_draft_tokens_per_step` (default 32; null: no limit), the drafts of one
+step shared out evenly between its decoding requests. A CPU step costs about the same up to a
+few dozen tokens (it reads every weight once) and grows with the tokens past that, so many
+requests drafting in one step would cost more than their accepted drafts save. A key or method
+this engine does not implement is refused with its name, never ignored.
+
+The suffix method's global trie holds about `max_cached_requests` x output length x tree depth
+nodes at most (shared substrings less): 256 requests of 500 tokens at depth 24, ~3 million.
 """
 
 from __future__ import annotations
@@ -12,13 +23,15 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 # vLLM's methods that need what this engine has not built yet (draft or EAGLE heads, MTP
 # layers, suffix trees): refused with that said.
-_NOT_BUILT = ("suffix", "draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
+_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
               "deepseek_mtp")
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-         "disable_by_batch_size")
+         "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
+         "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
+         "disable_by_batch_size", "max_draft_tokens_per_step")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -28,8 +41,17 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 256
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # no drafts in a step with more decoding requests than this (None: never off by size)
     disable_by_batch_size: int | None = None
+    max_draft_tokens_per_step: int | None = 32
+
+    @property
+    def draft_tokens_per_step(self) -> int:
+        return 1 << 30 if self.max_draft_tokens_per_step is None else self.max_draft_tokens_per_step
 
     def __post_init__(self) -> None:
         _check(self.method in METHODS, "method",
@@ -44,6 +66,23 @@ class SpeculativeConfig:
         _check(_is_int(self.prompt_lookup_max) and self.prompt_lookup_min <= self.prompt_lookup_max <= 64,
                "prompt_lookup_max",
                f"must be an integer in [prompt_lookup_min, 64], got {self.prompt_lookup_max!r}")
+        _check(_is_int(self.suffix_decoding_max_tree_depth)
+               and 2 <= self.suffix_decoding_max_tree_depth <= 64, "suffix_decoding_max_tree_depth",
+               f"must be an integer in [2, 64], got {self.suffix_decoding_max_tree_depth!r}")
+        _check(_is_int(self.suffix_decoding_max_cached_requests)
+               and self.suffix_decoding_max_cached_requests >= 0,
+               "suffix_decoding_max_cached_requests",
+               f"must be a non-negative integer, got {self.suffix_decoding_max_cached_requests!r}")
+        _check(isinstance(self.suffix_decoding_max_spec_factor, (int, float))
+               and self.suffix_decoding_max_spec_factor > 0, "suffix_decoding_max_spec_factor",
+               f"must be positive, got {self.suffix_decoding_max_spec_factor!r}")
+        _check(isinstance(self.suffix_decoding_min_token_prob, (int, float))
+               and 0 <= self.suffix_decoding_min_token_prob <= 1, "suffix_decoding_min_token_prob",
+               f"must be in [0, 1], got {self.suffix_decoding_min_token_prob!r}")
+        if self.max_draft_tokens_per_step is not None:
+            _check(_is_int(self.max_draft_tokens_per_step) and self.max_draft_tokens_per_step >= 1,
+                   "max_draft_tokens_per_step",
+                   f"must be an integer of at least 1 or null, got {self.max_draft_tokens_per_step!r}")
         if self.disable_by_batch_size is not None:
             _check(_is_int(self.disable_by_batch_size) and self.disable_by_batch_size >= 1,
                    "disable_by_batch_size",
@@ -70,6 +109,10 @@ class SpeculativeConfig:
             _check(model in (None, "ngram", "[ngram]"), "model",
                    f"a draft model ({model!r}) is not built in this version; use method ngram")
         fields.setdefault("method", "ngram")
+        if fields["method"] == "suffix" and "num_speculative_tokens" not in fields:
+            # vLLM's default: as deep as the tree, here within MAX_SPECULATIVE_TOKENS
+            fields["num_speculative_tokens"] = min(
+                MAX_SPECULATIVE_TOKENS, fields.get("suffix_decoding_max_tree_depth", 24))
         return cls(**fields)
 
 

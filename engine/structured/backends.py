@@ -20,6 +20,7 @@ class Matcher(Protocol):
 
     def accept_tokens(self, token_ids: list[int]) -> bool: ...  # False: a token the grammar forbids
     def is_terminated(self) -> bool: ...  # the grammar ended (its stop token accepted)
+    def fork(self) -> Matcher: ...  # an independent copy at the same place (draft checks)
 
 
 class Backend(Protocol):
@@ -40,6 +41,9 @@ class XgrammarMatcher:
 
     def is_terminated(self) -> bool:
         return bool(self.inner.is_terminated())
+
+    def fork(self) -> XgrammarMatcher:
+        return XgrammarMatcher(self.inner.fork(), self.special_token_ids)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar allows `token` next: its bitmask bit (xgrammar's mask is the set
@@ -80,6 +84,11 @@ class GuidanceMatcher:
 
     def is_terminated(self) -> bool:
         return self.terminated
+
+    def fork(self) -> GuidanceMatcher:
+        copy = GuidanceMatcher(self.inner.deep_copy(), list(self.stop_token_ids))
+        copy.terminated = self.terminated
+        return copy
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         from llguidance.torch import fill_next_token_bitmask

@@ -129,6 +129,9 @@ class GrammarBitmask:
     req_ids: list[str]
     pending: Future[StepMask] | None
     checked: ArgmaxCheck | None = None
+    # per row, the draft position it masks (0: the request's next token; speculative decoding's
+    # requests have a row per drafted position); None: every row is position 0
+    positions: list[int] | None = None
 
     def result(self) -> StepMask:
         assert self.pending is not None
@@ -224,9 +227,12 @@ def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, r
                 logits[row, t] = float("-inf")
 
 def apply_grammar(logits: torch.Tensor, req_ids: list[str], grammar: GrammarBitmask) -> ArgmaxFix | None:
-    """Masks each filled constrained row's logits (`logits` row i samples for `req_ids[i]`) with
-    its bitmask row, before any sampling step. Returns the sampler's fix of the rows checked
-    unmasked, if any."""
+    """Masks each filled constrained row's logits (`logits` row i samples for `req_ids[i]`; a
+    request with drafts has consecutive rows, one per drafted position) with its bitmask row,
+    before any sampling step. Returns the sampler's fix of the rows checked unmasked, if any."""
+    first: dict[str, int] = {}
+    for row, r in enumerate(req_ids):
+        first.setdefault(r, row)
     rows = {r: row for row, r in enumerate(req_ids)}
     check = grammar.checked
     missing = [r for r in [*grammar.req_ids, *(check.req_ids if check else [])] if r not in rows]
@@ -234,7 +240,8 @@ def apply_grammar(logits: torch.Tensor, req_ids: list[str], grammar: GrammarBitm
         raise RuntimeError(f"grammar rows {missing} do not sample this step")
     if grammar.req_ids:
         mask = grammar.result()
-        logit_rows = [rows[r] for r in grammar.req_ids]
+        positions = grammar.positions or [0] * len(grammar.req_ids)
+        logit_rows = [first[r] + j for r, j in zip(grammar.req_ids, positions, strict=True)]
         if mask.additive is not None:  # made only on CPU (EngineCore)
             apply_additive_mask(logits, mask.additive, logit_rows)
         else:

@@ -21,7 +21,10 @@ import pytest
 from engine.sampling_params import SamplingParams
 from engine.structured.params import StructuredOutputsParams
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# no per-step draft cap: the distribution test runs 600 requests in one batch, which the default
+# cap (32 drafts a step) would leave without drafts
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+        "max_draft_tokens_per_step": None}
 ENGINE = dict(num_threads=1, max_model_len=256, num_kv_blocks=160, dtype="float32")
 
 
@@ -72,7 +75,7 @@ def _assert_same(a: list[Any], b: list[Any]) -> None:
             assert (lp_a is None) == (lp_b is None)
             for da, db in zip(lp_a or [], lp_b or [], strict=True):
                 assert da.keys() == db.keys()
-                assert all(abs(da[t] - db[t]) < 1e-4 for t in da)
+                assert all(da[t] == db[t] or abs(da[t] - db[t]) < 1e-4 for t in da)  # -inf: masked
 
 
 def _accepted(llm: Any) -> int:
@@ -191,3 +194,57 @@ def test_unseeded_sampling_with_speculation_follows_the_target_distribution(
             if expected > 0:
                 stat += (row[j] - expected) ** 2 / expected
     assert stat < 24.32, (stat, rows)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_a_grammar_keeps_the_drafts_it_accepts_and_masks_every_drafted_position(
+        model: Path, prompts: list[list[int]], backend: str) -> None:
+    """Drafts the grammar refuses are dropped before the step; each drafted position is masked
+    with the grammar advanced over the drafts before it."""
+    plain_b = _llm(model, structured_outputs_backend=backend)
+    spec_b = _llm(model, structured_outputs_backend=backend, speculative_config=SPEC)
+    words = StructuredOutputsParams(regex="((cat|dog|bird|fish) ){12}")
+    for params in (SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=words),
+                   SamplingParams(temperature=0.8, top_k=3, seed=8, max_tokens=60, logprobs=2,
+                                  structured_outputs=words)):
+        _assert_same(_run(plain_b, prompts, params), _run(spec_b, prompts, params))
+    assert spec_b.get_stats().spec_decoding.num_accepted_tokens > 0
+    _assert_no_leak(spec_b)
+
+
+@pytest.fixture(scope="module")
+def suffix(model: Path) -> Any:
+    return _llm(model, speculative_config={"method": "suffix", "num_speculative_tokens": 6,
+                                           "max_draft_tokens_per_step": None})
+
+
+@pytest.mark.parametrize("name", ["greedy_logprobs", "seeded", "min_p", "penalties"])
+def test_suffix_decoding_leaves_outputs_unchanged(plain: Any, suffix: Any, prompts: list[list[int]],
+                                                  name: str) -> None:
+    params = SamplingParams(**{"max_tokens": 40, "ignore_eos": True, **PARAMS[name]})
+    drafted = suffix.get_stats().spec_decoding.num_draft_tokens
+    _assert_same(_run(plain, prompts, params), _run(suffix, prompts, params))
+    assert suffix.get_stats().spec_decoding.num_draft_tokens > drafted
+    _assert_no_leak(suffix)
+
+
+def test_the_default_model_rewriting_a_passage_is_unchanged_by_speculation(
+        default_model_dir: Path) -> None:
+    """SmolLM2-135M (float32) asked to repeat a passage, greedy and seeded, in one batch: n-gram
+    drafts from the prompt are accepted, and the output is the plain engine's."""
+    from benchmarks.bench_spec import PASSAGE
+
+    plain_d = _llm(default_model_dir, num_kv_blocks=None, max_model_len=1024)
+    spec_d = _llm(default_model_dir, num_kv_blocks=None, max_model_len=1024,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    tok = plain_d.get_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "Repeat this passage:\n\n" + PASSAGE}],
+                                   tokenize=False, add_generation_prompt=True)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, logprobs=1),
+              SamplingParams(temperature=0.7, top_p=0.9, seed=2, max_tokens=48),
+              SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.1)]
+    _assert_same(_run(plain_d, [prompt] * 3, params), _run(spec_d, [prompt] * 3, params))
+    stats = spec_d.get_stats().spec_decoding
+    assert stats.num_accepted_tokens > 0
+    _assert_no_leak(spec_d)

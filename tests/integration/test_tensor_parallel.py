@@ -42,6 +42,9 @@ def _params() -> dict[str, SamplingParams]:
     }
 
 
+LAST_STATS: dict[int, Any] = {}  # tp -> the engine stats at the end of the last _run
+
+
 def _run(model_dir: Path, tp: int, prompts: list[list[int]], kinds: list[str], **config: Any
          ) -> dict[str, list[Any]]:
     """Each kind's outputs (token ids, and logprobs where asked) from one engine of `tp` ranks."""
@@ -56,7 +59,7 @@ def _run(model_dir: Path, tp: int, prompts: list[list[int]], kinds: list[str], *
         for kind in kinds:
             outs = llm.generate(prompts, params[kind], use_tqdm=False)
             got[kind] = [(o.outputs[0].token_ids, _logprobs(o)) for o in outs]
-        stats = core.get_stats()
+        stats = LAST_STATS[tp] = core.get_stats()
         assert stats.num_free_blocks == stats.num_total_blocks or config.get("enable_prefix_caching", True)
         return got
     finally:
@@ -200,3 +203,17 @@ async def test_a_killed_rank_fails_the_engine_in_flight_within_a_bound(
         assert not [p for p in ranks if _alive(p)]
     finally:
         llm.shutdown()
+
+
+def test_speculative_decoding_on_two_ranks_is_unchanged(tiny_model_dir: Callable[[str], Path],
+                                                       prompts: list[list[int]]) -> None:
+    """Drafts reach every rank in the step message and the emitted tokens with the next: two
+    ranks verifying n-gram drafts give one rank's plain output (the model loops, so drafts are
+    accepted), grammars included."""
+    model_dir = tiny_model_dir("llama")
+    kinds = ["greedy", "seeded", "json"]
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    two = _run(model_dir, 2, prompts, kinds, speculative_config=spec)
+    assert LAST_STATS[2].spec_decoding.num_accepted_tokens > 0
+    one = _run(model_dir, 1, prompts, kinds)
+    assert_same(two, one)

@@ -223,3 +223,21 @@ def test_bench_tp_compares_tp_sizes_and_every_handoff_pair(tiny_model: Path,
     assert float(rows["TP 2"][4]) > 0 and float(rows["TP 1"][4]) == 0  # comm share: TP 2 only
     for pair in ("P1 -> D1", "P1 -> D2", "P2 -> D1", "P2 -> D2"):
         assert rows[pair][3:] == ["2/2", "yes"], pair
+
+
+@pytest.mark.slow  # ~40 s: two engine core processes
+def test_bench_spec_compares_plain_and_speculative_decoding_in_one_table(
+        tiny_model_json_vocab: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_spec
+
+    argv = ["--model", str(tiny_model_json_vocab), "--batches", "1,2", "--output-len", "12",
+            "--requests", "2", "--min-len", "8", "--max-len", "24", "--dtype", "float32"]
+    assert bench_spec.main(argv) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("| rewrite") or line.startswith("| random")]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (w, b, p) for w in ("rewrite", "random") for b in ("1", "2") for p in ("none", "ngram k=4")]
+    for r in rows:
+        assert float(r[3]) > 0 and r[7] == "2/2"  # speculation never changes greedy tokens
+        assert (r[8] == "-") == (r[2] == "none")
