@@ -186,6 +186,10 @@ class EngineConfig:
         _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
                f"must be in [1, 64], got {self.tensor_parallel_size}")
         _check(self.tp_timeout_s > 0, "tp_timeout_s", f"must be positive, got {self.tp_timeout_s}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            _check(self.tensor_parallel_size == 1, "speculative_config.method",
+                   "draft_model runs with tensor_parallel_size 1 in this version")
         if self.tensor_parallel_size > 1:
             _check(self.device == "cpu", "tensor_parallel_size",
                    "more than 1 runs on the CPU (gloo) in this version; the CUDA path (nccl, one "

@@ -36,7 +36,7 @@ from engine.kv_cache_sizing import (
     fit_model_len,
     kv_layout,
 )
-from engine.spec.decoder import SpecDecoder
+from engine.spec.decoder import SpecDecoder, draft_proposer
 from engine.structured.backends import Matcher, XgrammarMatcher
 from engine.structured.bitmask import GrammarBitmask
 from engine.structured.draft_rows import draft_rows
@@ -115,8 +115,11 @@ class EngineCore:
             model, config.block_size, num_blocks, config.max_num_seqs, config.model_len,
             config.max_num_batched_tokens, dtype, device, eos_token_id_of(hf_config), config.seed,
             layout)
-        if config.speculative_config is not None:
-            self.runner.spec = SpecDecoder(config.speculative_config, config.model_len)
+        spec = config.speculative_config
+        if spec is not None:
+            draft = None if spec.model is None else draft_proposer(
+                spec.model, model.vocab_size, backend, config, num_blocks, dtype, device)
+            self.runner.spec = SpecDecoder(spec, config.model_len, draft)
         if device.type == "cuda" and not config.enforce_eager:
             self.runner.capture_decode_graphs(config.max_num_seqs)
         # every rank's cache (rank 0's connector moves them all); the other ranks build theirs

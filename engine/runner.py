@@ -11,7 +11,7 @@ tokens; a partial (chunked) prefill samples nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -28,10 +28,10 @@ from engine.core.outputs import (
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_sizing import mapped_caches, zeroed_cache
 from engine.parallel.group import then
+from engine.request_state import RequestState
 from engine.sample.prompt_logprobs import prompt_logprobs
 from engine.sample.sampler import Sampler
 from engine.sample.step import SampleStep, sample_step
-from engine.sampling_params import SamplingParams
 from engine.spec.decoder import SpecDecoder
 from engine.structured.bitmask import GrammarBitmask
 
@@ -63,35 +63,6 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...  # [num_tokens, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [n, vocab] float32
-
-
-@dataclass
-class RequestState:
-    """What the runner remembers of one request between steps."""
-
-    req_id: str
-    sampling_params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    block_ids: list[list[int]]  # per KV cache group
-    num_computed_tokens: int
-    token_buf: np.ndarray = field(repr=False)  # [capacity] int64, prompt + outputs
-    num_tokens: int = 0
-
-    def append_token(self, token_id: int) -> None:
-        if self.num_tokens == len(self.token_buf):
-            self.token_buf = np.concatenate([self.token_buf, np.zeros_like(self.token_buf)])
-        self.token_buf[self.num_tokens] = token_id
-        self.num_tokens += 1
-        self.output_token_ids.append(token_id)
-
-    def put_drafts(self, drafts: list[int]) -> None:
-        """Writes draft tokens after the known ones (`num_tokens` unchanged): the step's inputs
-        read them, and the tokens emitted after verification overwrite them."""
-        end = self.num_tokens + len(drafts)
-        if end > len(self.token_buf):
-            self.token_buf = np.concatenate([self.token_buf, np.zeros(end, dtype=np.int64)])
-        self.token_buf[self.num_tokens:end] = drafts
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """`speculative_config`, in vLLM's JSON form: which proposer, how many tokens it drafts.
 
-Accepted keys (vLLM's names): `method` ("ngram" or "suffix"), `num_speculative_tokens`,
+Accepted keys (vLLM's names): `method` ("ngram", "suffix" or "draft_model"), `model` (the draft
+model's name or folder: it implies "draft_model"), `num_speculative_tokens`,
 `prompt_lookup_min` / `prompt_lookup_max` (n-gram lengths tried, longest first),
 `suffix_decoding_max_tree_depth`, `suffix_decoding_max_cached_requests` (finished requests
 whose outputs the worker-wide trie holds; 0: the request's own tokens only),
@@ -23,12 +24,12 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's methods that need what this engine has not built yet (draft or EAGLE heads, MTP
 # layers, suffix trees): refused with that said.
-_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
+_NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp",
               "deepseek_mtp")
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
          "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests",
          "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob",
          "disable_by_batch_size", "max_draft_tokens_per_step")
@@ -38,6 +39,7 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
+    model: str | None = None  # draft_model: the draft's name or folder (the target's vocabulary)
     num_speculative_tokens: int = 3
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -57,6 +59,9 @@ class SpeculativeConfig:
         _check(self.method in METHODS, "method",
                f"{self.method!r} is not built in this version"
                if self.method in _NOT_BUILT else f"must be one of {METHODS}, got {self.method!r}")
+        _check((self.method == "draft_model") == (self.model is not None), "model",
+               "names the draft model, with method draft_model only"
+               if self.model is not None else "method draft_model needs the draft's model")
         _check(_is_int(self.num_speculative_tokens)
                and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
                "num_speculative_tokens",
@@ -100,14 +105,15 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: not valid JSON ({e})") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(_KEYS) - {"model"})
+        unknown = sorted(set(value) - set(_KEYS))
         _check(not unknown, unknown[0] if unknown else "", f"is not a key this engine reads "
                f"(it reads {', '.join(_KEYS)})")
         fields = dict(value)
-        if "model" in fields:  # vLLM: a draft model's name or path (method draft_model)
-            model = fields.pop("model")
-            _check(model in (None, "ngram", "[ngram]"), "model",
-                   f"a draft model ({model!r}) is not built in this version; use method ngram")
+        if fields.get("model") in (None, "ngram", "[ngram]"):  # vLLM's old spelling of ngram
+            if fields.pop("model", None) is not None:
+                fields.setdefault("method", "ngram")
+        else:
+            fields.setdefault("method", "draft_model")
         fields.setdefault("method", "ngram")
         if fields["method"] == "suffix" and "num_speculative_tokens" not in fields:
             # vLLM's default: as deep as the tree, here within MAX_SPECULATIVE_TOKENS

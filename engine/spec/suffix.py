@@ -48,10 +48,11 @@ class SuffixTrie:
                     break
                 node = child
 
-    def find(self, context: Sequence[int]) -> tuple[_Node | None, int]:
-        """The node of the longest suffix of `context` (at most depth - 1 tokens) whose path
-        has a continuation, and that suffix's length; (None, 0) when none has."""
-        for m in range(min(len(context), self.depth - 1), 0, -1):
+    def find(self, context: Sequence[int], room: int = 1) -> tuple[_Node | None, int]:
+        """The node of the longest suffix of `context` (at most depth - room tokens, so that
+        `room` tokens can follow it in the trie) whose path has a continuation, and that
+        suffix's length; (None, 0) when none has."""
+        for m in range(min(len(context), self.depth - room), 0, -1):
             node: _Node | None = self.root
             for token in context[len(context) - m:]:
                 node = node.children.get(token) if node is not None else None
@@ -126,8 +127,9 @@ class SuffixProposer:
         own.extend(tokens[own.num_tokens:])
         context = tokens[max(0, len(tokens) - self.depth):]
         best: tuple[list[int], float] = ([], 0.0)
+        room = max(1, min(k, self.depth // 2))  # a match leaves the trie room for the draft
         for trie in (own.trie, self._global):
-            node, m = trie.find(context)
+            node, m = trie.find(context, room)
             if node is not None:
                 found = continue_from(node, m, k, self.max_spec_factor, self.min_prob)
                 if found[1] > best[1]:

@@ -248,3 +248,41 @@ def test_the_default_model_rewriting_a_passage_is_unchanged_by_speculation(
     stats = spec_d.get_stats().spec_decoding
     assert stats.num_accepted_tokens > 0
     _assert_no_leak(spec_d)
+
+
+@pytest.mark.parametrize("draft_arch", ["llama", "mistral"])
+def test_a_draft_model_keeps_outputs_unchanged_and_frees_its_blocks(
+        tiny_model_dir: Callable[[str], Path], plain: Any, prompts: list[list[int]],
+        draft_arch: str) -> None:
+    """The target itself as its draft (its greedy drafts are right) and another random model of
+    the same vocabulary (mostly wrong): the output is the plain engine's either way, preemption
+    and chunked prefill included, and every draft block is back at the end."""
+    draft = tiny_model_dir(draft_arch)
+    spec_m = _llm(tiny_model_dir("llama"), num_kv_blocks=25, max_num_batched_tokens=48,
+                  speculative_config={"model": str(draft), "num_speculative_tokens": 3,
+                                      "max_draft_tokens_per_step": None})
+    for name in ("greedy_logprobs", "seeded", "penalties"):
+        params = SamplingParams(**{"max_tokens": 40, "ignore_eos": True, **PARAMS[name]})
+        _assert_same(_run(plain, prompts + prompts[:2], params),
+                     _run(spec_m, prompts + prompts[:2], params))
+    stats = spec_m.get_stats()
+    assert stats.spec_decoding.num_draft_tokens > 0 and stats.num_preemptions > 0
+    if draft_arch == "llama":
+        assert stats.spec_decoding.num_accepted_tokens > stats.spec_decoding.num_draft_tokens // 2
+    _assert_no_leak(spec_m)
+    # finished requests' draft state goes with the next step (the runner hears of them then): a
+    # one-token request, which drafts nothing, brings it
+    spec_m.generate([prompts[0]], SamplingParams(max_tokens=1), use_tqdm=False)
+    proposer = spec_m.engine_core.runner.spec.draft
+    assert proposer.num_free_blocks == proposer.runner.num_blocks - 1
+    assert not proposer.runner.requests
+
+
+def test_a_draft_model_is_refused_with_tensor_parallelism_or_without_its_name(model: Path) -> None:
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"speculative_config\.method draft_model runs with"):
+        EngineConfig(model=str(model), tensor_parallel_size=2,
+                     speculative_config={"model": str(model)})
+    with pytest.raises(ValueError, match=r"speculative_config\.model: method draft_model needs"):
+        EngineConfig(model=str(model), speculative_config={"method": "draft_model"})

@@ -17,13 +17,17 @@ from engine.spec.verify import accepted_tokens, expand_rows
 def test_the_config_takes_vllms_json_and_refuses_what_it_does_not_build_by_name() -> None:
     cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 5, '
                                   '"prompt_lookup_min": 2, "prompt_lookup_max": 6}')
-    assert cfg == SpeculativeConfig("ngram", 5, 2, 6)
+    assert cfg == SpeculativeConfig(method="ngram", num_speculative_tokens=5, prompt_lookup_min=2,
+                                    prompt_lookup_max=6)
+    draft = SpeculativeConfig.parse({"model": "some/draft-model"})  # a model implies draft_model
+    assert draft is not None and (draft.method, draft.model) == ("draft_model", "some/draft-model")
     assert SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.parse(None) is None
     bad = {
         '{"method": "eagle"}': "speculative_config.method: 'eagle' is not built",
         '{"method": "nonsense"}': "speculative_config.method: must be one of",
-        '{"model": "some/draft-model"}': "speculative_config.model: a draft model",
+        '{"method": "draft_model"}': "speculative_config.model: method draft_model needs",
+        '{"method": "suffix", "model": "x"}': "speculative_config.model: names the draft model",
         '{"num_speculative_tokens": 0}': "speculative_config.num_speculative_tokens",
         '{"num_speculative_tokens": true}': "speculative_config.num_speculative_tokens",
         '{"prompt_lookup_min": 5, "prompt_lookup_max": 2}': "speculative_config.prompt_lookup_max",
@@ -108,9 +112,9 @@ def test_suffix_drafts_follow_the_most_frequent_continuation_within_the_match_an
     seq = [10, 11, 12, 13, 14, 15, 10, 11, 12]
     # matched [10 11 12] (3 tokens): at most 3 drafts, continuing with 13 14 15
     assert p.propose("a", seq, 8) == [13, 14, 15]
-    # grown incrementally: the 7-token suffix [10 .. 15 10] occurred before, then 11; the trie
-    # ends at depth 8, so the draft does too
-    assert p.propose("a", seq + [13, 14, 15, 10], 4) == [11]
+    # grown incrementally; the match is at most depth - min(k, depth // 2) = 4 tokens long, so
+    # the trie (depth 8) has room for the 4 drafts after it
+    assert p.propose("a", [*seq, 13, 14, 15, 10], 4) == [11, 12, 13, 14]
     assert p.propose("b", [5, 6, 7], 4) == []  # nothing to match yet
     p.finished("a", [13, 14, 15, 10, 11, 12, 13])  # a's output enters the global trie
     assert p.propose("b", [5, 6, 7, 13, 14], 4) == [15, 10]  # matched [13 14]: 2 drafts at most
