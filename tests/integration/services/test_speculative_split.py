@@ -6,7 +6,6 @@ state from the hand-off: n-gram drafts come from the prompt and outputs it alrea
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -22,6 +21,7 @@ from services.procs import free_port
 from services.router.dispatch.dispatcher import Dispatcher, DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.conftest import running_together, worker_options
+from tests.integration.services.test_split_sampling import _ready, _sample
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -42,27 +42,12 @@ async def dispatchers(model_dir: Path, store: KVStoreService) -> AsyncIterator[d
                                                     decode=(servers["decode"].target,))),
                 "colocated": Dispatcher(DispatchOptions(decode=(servers["colocated"].target,)))}
         for d in made.values():
-            d.start()
-        deadline = time.monotonic() + 30
-        while not all(pool.healthy for d in made.values() for pool in d.pools):
-            assert time.monotonic() < deadline, "workers never reported serving"
-            await asyncio.sleep(0.05)
+            await _ready(d)
         try:
             yield {**made, "decode_server": servers["decode"]}
         finally:
             for d in made.values():
                 await d.close()
-
-
-async def _sample(d: Dispatcher, rid: str, params: SamplingParams) -> tuple[list[int], list[Any], str]:
-    ids: list[int] = []
-    lps: list[Any] = []
-    finish = ""
-    async for step in d.generate(rid, PROMPT, params):
-        ids += step.token_ids
-        lps += [[(c.token_id, c.logprob) for c in pos] for pos in step.logprobs]
-        finish = step.finish_reason or finish
-    return ids, lps, finish
 
 
 def _counter(text: str, name: str) -> float:
@@ -83,8 +68,8 @@ async def test_split_with_speculation_equals_colocated_without(dispatchers: dict
                                                                case: str) -> None:
     params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=2, **CASES[case])
     split, colocated = await asyncio.gather(
-        _sample(dispatchers["split"], f"split-{case}", params),
-        _sample(dispatchers["colocated"], f"colo-{case}", params))
+        _sample(dispatchers["split"], f"split-{case}", params, PROMPT),
+        _sample(dispatchers["colocated"], f"colo-{case}", params, PROMPT))
     assert split[0] == colocated[0] and split[2] == colocated[2]
     for a, b in zip(split[1], colocated[1], strict=True):
         assert [t for t, _ in a] == [t for t, _ in b]
@@ -95,7 +80,7 @@ async def test_split_with_speculation_equals_colocated_without(dispatchers: dict
 async def test_the_decode_workers_metrics_count_drafts_and_accepted_tokens(
         dispatchers: dict[str, Any]) -> None:
     await _sample(dispatchers["split"], "metrics", SamplingParams(temperature=0.0, max_tokens=40,
-                                                                  ignore_eos=True))
+                                                                  ignore_eos=True), PROMPT)
     port = dispatchers["decode_server"].metrics_port
 
     def fetch() -> str:
