@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,8 @@ from engine.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 WATCH_S = 0.2
+# how long rank 0 waits for the other ranks to load their shards and build their runners
+BUILD_TIMEOUT_S = 600.0
 
 
 class RankFailed(RuntimeError):
@@ -49,8 +52,10 @@ class TPExecutor:
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")
         rendezvous = str(Path(self._dir) / "rendezvous")
         self.channel = StepChannel(ctx, size - 1)
+        self._built = ctx.Semaphore(0)  # each other rank releases it once its runner is built
         self.procs = [ctx.Process(target=follower_main, name=f"pdserve-tp-rank{r}", daemon=True,
-                                  args=(config, r, rendezvous, self.channel.reader(r - 1)))
+                                  args=(config, r, rendezvous, self.channel.reader(r - 1),
+                                        self._built))
                       for r in range(1, size)]
         self.failure: str | None = None
         self._on_failure: Callable[[str], None] | None = None
@@ -104,13 +109,20 @@ class TPExecutor:
             caches.append([mapped[slot] for slot in runner.layout.layer_slot])
         self._send(StepMessage(num_kv_blocks=runner.num_blocks, max_model_len=max_model_len,
                                kv_cache_fds=self._fds))
-        # every rank has built its runner (or one died: the engine is not ready)
-        try:
-            self.tp.sync_layer(-1)
-        except RuntimeError as exc:
-            raise RankFailed(self.failure or f"a tensor-parallel rank did not start: {exc}") from exc
-        self.check()
+        self._wait_built()
         return caches
+
+    def _wait_built(self) -> None:
+        """Until every other rank has built its runner (loading its shard may take long on a
+        busy host: the start-up bound, not `tp_timeout_s`); RankFailed when one died first."""
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        for _ in self.procs:
+            while not self._built.acquire(timeout=WATCH_S):
+                self.check()
+                if time.monotonic() > deadline:
+                    raise RankFailed(f"a tensor-parallel rank did not build its runner within "
+                                     f"{BUILD_TIMEOUT_S:.0f} s")
+        self.check()
 
     def before_step(self, scheduler_output: SchedulerOutput) -> None:
         """Sends the step to the other ranks (with what rank 0 sampled in the step before)."""

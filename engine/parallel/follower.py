@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import signal
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.parallel.channel import ChannelClosed, StepReader
@@ -26,7 +27,10 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def follower_main(config: EngineConfig, rank: int, rendezvous: str, reader: StepReader) -> None:
+def follower_main(config: EngineConfig, rank: int, rendezvous: str, reader: StepReader,
+                  built: Any) -> None:
+    """`built`: a semaphore this rank releases once its runner is built (rank 0 says the engine
+    is ready once every rank has)."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the group; rank 0 stops it
     parent = multiprocessing.parent_process()
@@ -58,7 +62,7 @@ def follower_main(config: EngineConfig, rank: int, rendezvous: str, reader: Step
                              kv_cache_fd=fd)
         os.close(fd)  # (the mapping keeps its own)
         runner.samples = False
-        tp.sync_layer(-1)  # built: rank 0 says it is ready once every rank is
+        built.release()
         while True:
             message = reader.recv(parent.is_alive)
             if message.shutdown or message.scheduler_output is None:

@@ -52,7 +52,11 @@ class TensorParallel:
             return TensorParallel()
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of an engine share a host
         store = dist.FileStore(rendezvous, size)
-        group = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=timeout_s))
+        # joining waits for ranks still starting (spawn, import torch: seconds on a busy host);
+        # the collectives then wait `timeout_s`
+        join = datetime.timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+        group = dist.ProcessGroupGloo(store, rank, size, join)
+        group.set_timeout(datetime.timedelta(seconds=timeout_s))
         return TensorParallel(rank, size, group)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,3 +92,4 @@ def then(first: Callable[[int], None], second: Callable[[int], None] | None) -> 
 
 
 SINGLE = TensorParallel()
+JOIN_TIMEOUT_S = 120.0  # how long the ranks take to meet at start
