@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
+from engine.kv_events.config import KVEventsConfig
 from engine.spec.config import SpeculativeConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -121,10 +122,14 @@ class EngineConfig:
     # Speculative decoding (engine/spec/): vLLM's speculative_config, as a SpeculativeConfig or
     # its dict / JSON form (parsed here); None = off.
     speculative_config: SpeculativeConfig | None = None
+    # KV cache events (engine/kv_events/): vLLM's kv_events_config, as a KVEventsConfig or its
+    # dict / JSON form; None = off.
+    kv_events_config: KVEventsConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
                            SpeculativeConfig.parse(self.speculative_config))
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         _check(bool(self.model), "model", "must be a model name or path")
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
         if self.dtype == "auto":

@@ -43,6 +43,7 @@ from engine.structured.draft_rows import draft_rows
 from engine.structured.manager import StructuredOutputManager
 
 if TYPE_CHECKING:
+    from engine.kv_events.publisher import ZmqEventPublisher
     from engine.parallel.executor import TPExecutor
 
 logger = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size,
                                                config.enable_prefix_caching,
                                                group_windows=layout.windows)
+        self.kv_events: ZmqEventPublisher | None = None
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.step_seconds = Histogram.with_bounds(STEP_SECONDS_BUCKETS)  # steps that computed tokens
         self.fill_in_thread = device.type != "cpu"  # grammar bitmasks (see _grammar_bitmask)
@@ -144,6 +146,7 @@ class EngineCore:
             full = model.shard.full if model.shard is not None else model.opts
             worker_half.register_rank_caches(rank_caches, full.num_kv_heads)
             self.runner.set_connector(worker_half)
+        self.kv_events = self._kv_events_publisher(config, layout.num_groups, device)
         logger.info("engine core ready: %s on %s (%s attention), %d KV blocks of %d tokens "
                     "(%d KV cache group(s) of %d layers), max_model_len %d", path, device,
                     backend.name, num_blocks - 1, config.block_size, layout.num_groups,
@@ -207,6 +210,8 @@ class EngineCore:
             if grammar is not None:
                 grammar.settle()  # the fill thread is done with the matchers before they advance
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.kv_events is not None:
+            self._flush_kv_events()
         if scheduler_output.num_scheduled_tokens:
             self.step_seconds.observe(time.perf_counter() - start)
         elif not outputs.outputs and not _finished_loads(runner_output):
@@ -301,10 +306,46 @@ class EngineCore:
             kv_transfer=connector.get_transfer_stats() if connector is not None else None,
             requests=counters.histograms.copy(),
             spec_decoding=None if self.scheduler.spec_stats is None else self.scheduler.spec_stats.copy(),
+            **self._kv_events_stats(),
         )
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        if self.kv_events is not None:
+            self._flush_kv_events()
+        return done
+
+    def _kv_events_stats(self) -> dict[str, Any]:
+        events = self.kv_events
+        if events is None:
+            return {}
+        return dict(kv_events_published=events.next_seq, kv_events_endpoint=events.endpoint,
+                    kv_events_replay_endpoint=events.replay_endpoint,
+                    kv_events_topic=events.config.topic)
+
+    def _flush_kv_events(self) -> None:
+        recorder = self.kv_cache_manager.block_pool.recorder
+        if self.kv_events is not None and recorder is not None:
+            self.kv_events.publish(recorder.take())
+
+    def _kv_events_publisher(self, config: EngineConfig, num_groups: int,
+                             device: torch.device) -> ZmqEventPublisher | None:
+        """vLLM's KV cache events, when configured: every hash that enters or leaves the prefix
+        cache, published after each step (engine/kv_events/)."""
+        events = config.kv_events_config
+        if events is None or not events.publishing or not config.enable_prefix_caching:
+            return None
+        from engine.kv_events.events import AllBlocksCleared
+        from engine.kv_events.publisher import ZmqEventPublisher
+        from engine.kv_events.recorder import KVEventRecorder
+
+        medium = "GPU" if device.type == "cuda" else "CPU"
+        recorder = KVEventRecorder(config.block_size, num_groups, medium)
+        self.kv_cache_manager.block_pool.recorder = recorder
+        publisher = ZmqEventPublisher(events)
+        # the cache starts empty: a subscriber that sees this first batch forgets what it knew
+        publisher.publish([AllBlocksCleared()])
+        return publisher
 
     def shutdown(self) -> None:
         self.abort_requests(list(self.scheduler.requests))
@@ -315,6 +356,8 @@ class EngineCore:
             self.runner.connector.shutdown()
         if self.tp_executor is not None:
             self.tp_executor.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def _validate(self, request: EngineCoreRequest) -> None:
         n = len(request.prompt_token_ids)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.config import DEFAULT_MODEL
+from engine.kv_events.config import KVEventsConfig
 from engine.spec.config import SpeculativeConfig
 
 
@@ -65,6 +66,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="speculative decoding, vLLM's JSON: e.g. '{\"method\": \"ngram\", "
                             "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}' (default: "
                             "off; docs/speculative-decoding.md)")
+    group.add_argument("--kv-events-config", default=None, metavar="JSON",
+                       help="publish KV cache events, vLLM's JSON: e.g. '{\"enable_kv_cache_events\": "
+                            "true, \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": "
+                            "\"tcp://*:5558\", \"topic\": \"kv-events\"}' (default: off; "
+                            "docs/kv-events.md)")
     group.add_argument("--max-num-batched-tokens", type=int, default=None,
                        help="token budget of one step, longer prefills are chunked (default 2048; "
                             "512 for prefill workers on the CPU, whose steps are compute-bound "
@@ -89,6 +95,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
                 num_threads=args.num_threads, sjf_max_wait_s=args.sjf_max_wait_s,
                 tensor_parallel_size=args.tensor_parallel_size, tp_timeout_s=args.tp_timeout_s,
                 speculative_config=SpeculativeConfig.parse(args.speculative_config),
+                kv_events_config=KVEventsConfig.parse(args.kv_events_config),
                 **{k: v for k, v in (("max_num_batched_tokens", args.max_num_batched_tokens),
                                      ("scheduling_policy", args.scheduling_policy))
                    if v is not None})  # unset: EngineConfig's defaults
@@ -262,6 +269,10 @@ def _add_router(subparsers: Any) -> None:
     p.add_argument("--decode-timeout-s", type=float, default=600.0)
     p.add_argument("--policy", choices=["prefix_aware", "least_loaded"], default="prefix_aware",
                    help="how a worker is chosen in each pool")
+    p.add_argument("--prefix-index", choices=["events", "approximate"], default="events",
+                   help="prefix_aware: score a worker on the blocks its KV cache events say it holds "
+                        "(where it publishes them; the approximate index while its stream is "
+                        "missing or behind), or only on the prompts sent to it (approximate)")
     p.add_argument("--local-prefill-tokens", type=int, default=0,
                    help="prompts with at most this many uncached tokens skip the prefill pool "
                         "(conditional disaggregation; 0 = always disaggregate)")
@@ -377,6 +388,7 @@ def _run_router(args: argparse.Namespace) -> int:
                                prefill_timeout_s=args.prefill_timeout_s,
                                decode_timeout_s=args.decode_timeout_s, prefill_policy=args.policy,
                                decode_policy=args.policy, local_prefill_tokens=args.local_prefill_tokens,
+                               prefix_index=args.prefix_index,
                                stall_timeout_s=args.stall_timeout_s, max_migrations=args.max_migrations,
                                early_handoff=args.handoff == "early",
                                worker_access=WorkerAccess(read_secret(TOKEN_ENV), TLSFiles(

@@ -31,6 +31,7 @@ from typing import Any
 from engine.config import DEFAULT_MODEL
 from engine.model.sources.default_model import is_default_model
 from engine.spec.config import SpeculativeConfig
+from services import up_kv_events
 from services.procs import PortInUseError, check_ports_free, cli, listen
 from services.readiness import (
     router_alive,
@@ -109,6 +110,7 @@ def add_up_parser(subparsers: Any) -> None:
     p.add_argument("--metrics-port-offset", type=int, default=1000,
                    help="each worker serves Prometheus /metrics on its gRPC port + this (0 = off); "
                         "the router's is at /metrics")
+    up_kv_events.add_args(p)
     p.add_argument("--prefill-cpus", default=None, metavar="LIST",
                    help="pin prefill workers (and their engine cores) to these CPUs, e.g. 0 or 0-1 "
                         "(default: unpinned)")
@@ -285,6 +287,9 @@ def _ports(args: argparse.Namespace) -> dict[int, str]:
             raise ValueError(f"--metrics-port-offset {args.metrics_port_offset} puts worker metrics on "
                              f"invalid ports {bad}; choose another offset or 0 (off)")
         named += workers
+    named += up_kv_events.ports(args, [(p, n) for p, n in named
+                                       if n not in ("router", "router liveness", "kvstore")
+                                       and not n.endswith("metrics")])
     ports: dict[int, str] = {}
     for port, name in named:
         if port in ports:
@@ -400,7 +405,7 @@ def _worker_spec(args: argparse.Namespace, name: str, role: str, port: int, extr
                  cpus: set[int] | None) -> ChildSpec:
     target = f"{args.host}:{port}"
     argv = cli("worker", "--role", role, "--host", args.host, "--port", str(port),
-               *_metrics_args(args, port), *_no_auth(args), *extra)
+               *_metrics_args(args, port), *up_kv_events.worker_args(args, port), *_no_auth(args), *extra)
     return ChildSpec(name, role, argv, worker_ready(target), target=target, cpus=_frozen(cpus),
                      alive=worker_alive(target), env=component_env(role, os.environ))
 
@@ -487,13 +492,17 @@ def _print_up(args: argparse.Namespace, specs: list[ChildSpec]) -> None:
         ports = [int(s.target.rsplit(":", 1)[1]) + args.metrics_port_offset for s in workers]
         print(f"metrics: http://{h}:{args.port}/metrics (router); worker /metrics on ports "
               f"{', '.join(map(str, ports))}", flush=True)
+    events = up_kv_events.describe(args, [int(s.target.rsplit(":", 1)[1]) for s in workers])
+    if events:
+        print(events, flush=True)
 
 
 def _start_autoscaler(args: argparse.Namespace, folder: str, sup: Supervisor) -> Any:
     from services.autoscaler.local import AutoscalerThread
 
     role = "colocated" if args.colocated else "decode"
-    worker_args = _worker_args(args, folder, f"grpc://{args.host}:{args.kvstore_port}")
+    worker_args = [*_worker_args(args, folder, f"grpc://{args.host}:{args.kvstore_port}"),
+                   *up_kv_events.worker_args(args, None)]  # (ports the system chooses)
     cpus = {"prefill": parse_cpus(args.prefill_cpus), role: parse_cpus(args.decode_cpus)}
     scaler = AutoscalerThread(args, f"http://{args.host}:{args.port}", worker_args, cpus, role,
                               role_args={"prefill": _prefill_args(args), role: _decode_args(args)},

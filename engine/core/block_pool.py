@@ -8,6 +8,10 @@ ordered so the least recently used block is reallocated (and its hash evicted) f
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.kv_events.recorder import KVEventRecorder
 
 
 class KVCacheBlock:
@@ -92,6 +96,7 @@ class BlockPool:
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        self.recorder: KVEventRecorder | None = None  # KV cache events (engine/kv_events/)
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,12 +136,13 @@ class BlockPool:
             if block.ref_cnt == 0 and not block.is_null:
                 self.free_block_queue.append(block)
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Records a full block under its hash (a block already cached keeps its first hash)."""
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Records a full block under its hash (a block already cached keeps its first hash).
+        True when the hash is new to the cache (a later request can now hit it)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         block.block_hash = block_hash
-        self.cached_block_hash_to_block.setdefault(block_hash, block)
+        return self.cached_block_hash_to_block.setdefault(block_hash, block) is block
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached hash; only possible when no block is in use."""
@@ -145,6 +151,8 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.block_hash = None
+        if self.recorder is not None:
+            self.recorder.cleared()
         return True
 
     def _evict_hash(self, block: KVCacheBlock) -> None:
@@ -152,4 +160,6 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.recorder is not None:
+                self.recorder.removed(block.block_hash)
         block.block_hash = None

@@ -299,11 +299,26 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request)
+        pool, hashes = self.block_pool, request.block_hashes
         for g, blocks in enumerate(self.req_to_blocks[request.request_id]):
-            for i in range(start, num_full):
-                if not blocks[i].is_null:  # freed (left the window) before its KV was recorded
-                    self.block_pool.cache_full_block(blocks[i], group_key(request.block_hashes[i], g))
+            new = [i for i in range(start, num_full)  # (a null block left the window unrecorded)
+                   if not blocks[i].is_null and pool.cache_full_block(blocks[i], group_key(hashes[i], g))]
+            if new and pool.recorder is not None:
+                self._record_stored(request, new, g)
         self.num_cached_blocks[request.request_id] = num_full
+
+    def _record_stored(self, request: Request, new: list[int], group: int) -> None:
+        """KV events: one BlockStored per run of consecutive blocks new to the cache."""
+        assert self.block_pool.recorder is not None
+        bs, hashes, run = self.block_size, request.block_hashes, [new[0]]
+        for i in [*new[1:], -1]:
+            if i == run[-1] + 1:
+                run.append(i)
+                continue
+            first, end = run[0], run[-1] + 1
+            self.block_pool.recorder.stored(hashes[first:end], hashes[first - 1] if first else None,
+                                            request.all_token_ids[first * bs:end * bs], group)
+            run = [i]
 
 
 def group_key(block_hash: bytes, group: int) -> bytes:

@@ -317,6 +317,11 @@ class EngineStats:
     kv_transfer: KVTransferStats | None = None  # None without a KV connector
     requests: RequestHistograms = field(default_factory=RequestHistograms.create)
     spec_decoding: SpecDecodingStats | None = None  # None without speculative decoding
+    kv_events_published: int = 0  # KV event batches sent (the next one's sequence number)
+    # where its KV events are published and replayed (as bound: "" when off or connecting out)
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
 
 
 @dataclass

@@ -234,7 +234,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
                 num_cached_blocks=stats.num_cached_blocks, num_prompt_tokens=stats.num_prompt_tokens,
                 busy_seconds=stats.step_seconds.total, max_model_len=stats.max_model_len,
-                block_layer_share=stats.block_layer_share))
+                block_layer_share=stats.block_layer_share,
+                kv_events_published=stats.kv_events_published,
+                kv_events_endpoint=stats.kv_events_endpoint,
+                kv_events_replay_endpoint=stats.kv_events_replay_endpoint,
+                kv_events_topic=stats.kv_events_topic))
         return report
 
     async def snapshot(self, wait_s: float) -> EngineStats | None:

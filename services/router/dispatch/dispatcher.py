@@ -180,13 +180,13 @@ class Dispatcher:
                                       else min(step.cached_tokens, len(prompt_ids)))
                 yield step
 
-    def _decode_pick(self, hashes: Sequence[int], prompt_tokens: int) -> Pick:
+    def _decode_pick(self, hashes: Sequence[bytes], prompt_tokens: int) -> Pick:
         pick = self.decode.pick(hashes, prompt_tokens=prompt_tokens)
         if pick is None:
             raise NoWorkerError(f"no healthy {self.decode.role} worker")
         return pick
 
-    def _local_prefill(self, prompt_ids: list[int], hashes: Sequence[int]) -> Pick | None:
+    def _local_prefill(self, prompt_ids: list[int], hashes: Sequence[bytes]) -> Pick | None:
         """Conditional disaggregation: the decode worker to compute the prompt itself when the
         part it has likely not cached is at most local_prefill_tokens, else None."""
         if self.prefill is None or not self.options.local_prefill_tokens:
@@ -198,7 +198,7 @@ class Dispatcher:
         return pick
 
     async def _prefill(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       hashes: Sequence[int], priority: int, cache_salt: str = ""
+                       hashes: Sequence[bytes], priority: int, cache_salt: str = ""
                        ) -> AsyncGenerator[Step | PrefillResult, None]:
         """An empty Step once a prefill worker has accepted the request, then the prefill's
         result; no result when the decode worker should compute the prompt."""

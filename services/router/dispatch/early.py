@@ -61,7 +61,7 @@ class EarlyDecode:
 
 
 def start_early(pool: WorkerPool, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                hashes: Sequence[int], timeout_s: float, priority: int, cache_salt: str,
+                hashes: Sequence[bytes], timeout_s: float, priority: int, cache_salt: str,
                 prefill_tp: int | None) -> EarlyDecode | None:
     """The decode call of an early hand-off, sent now; None where the plain hand-off runs (one
     token, structured outputs, no serving decode worker now: the plain path says so later; or

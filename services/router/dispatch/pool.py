@@ -41,7 +41,9 @@ from typing import Literal
 
 from protos import worker_pb2 as pb
 from services.router.dispatch.background import Background
+from services.router.dispatch.kv_events import KVEventFeed, subscriber_address
 from services.router.dispatch.prefix_index import PrefixIndex
+from services.router.dispatch.worker_state import WorkerState
 from services.worker.auth import WorkerAccess
 from services.worker.client import WorkerClient, WorkerError
 
@@ -49,14 +51,12 @@ logger = logging.getLogger(__name__)
 
 Policy = Literal["least_loaded", "prefix_aware"]
 POLICIES: tuple[Policy, ...] = ("least_loaded", "prefix_aware")
+PrefixSource = Literal["events", "approximate"]
+PREFIX_SOURCES: tuple[PrefixSource, ...] = ("events", "approximate")
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 DNS_PREFIX = "dns:"
-
-
-def load_score(load: pb.LoadReport) -> int:
-    return int(load.num_waiting) * 4 + int(load.num_running)
 
 
 @dataclass(frozen=True)
@@ -68,80 +68,19 @@ class PoolOptions:
     overlap_weight: float = 1.0  # prefix_aware: what a cached prompt token is worth in held tokens
     missed_reports_unhealthy: int = 5  # late load reports in a row that mark a worker unhealthy
     block_size: int = 16  # the workers' KV block size (prefix index granularity)
+    # "events": a worker that publishes KV cache events is scored on the blocks it holds
+    # (dispatch/kv_events.py), the others and any whose stream is missing or behind on the
+    # approximate index; "approximate": the approximate index only
+    prefix_index: PrefixSource = "events"
     access: WorkerAccess | None = None  # token and TLS files of the channels; None = from the env
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy: must be one of {POLICIES}, got {self.policy!r}")
+        if self.prefix_index not in PREFIX_SOURCES:
+            raise ValueError(f"prefix_index: must be one of {PREFIX_SOURCES}, got {self.prefix_index!r}")
         if self.refresh_s <= 0 or self.load_timeout_s <= 0 or self.overlap_weight < 0:
             raise ValueError("refresh_s and load_timeout_s must be > 0 and overlap_weight >= 0")
-
-
-@dataclass
-class WorkerState:
-    client: WorkerClient
-    prefix: PrefixIndex
-    healthy: bool = True  # optimistic until the first report says otherwise
-    draining: bool = False  # gets no new requests; removed once its in-flight ones ended
-    load: pb.LoadReport | None = None
-    sent_since_report: int = 0
-    inflight: int = 0  # router-side: dispatched and not finished
-    requests: int = 0  # dispatched in all
-    failures: int = 0
-    missed_reports: int = 0  # load reports in a row that failed or came late
-    last_error: str = ""
-    instance: str = ""  # the worker process's instance id, from its reports
-    reported_at: float = -math.inf  # monotonic time of its last load report
-    # What the last report may have counted: every request dispatched before it arrived (a
-    # lease carries its dispatch number; the worker computes the report at some moment between
-    # the ask and the answer), and the KV tokens of those that ended after it was asked for.
-    counted_upto: int = 0
-    freed_since_report: int = 0
-    asking: bool = False  # a report is in flight
-    freed_since_ask: int = 0
-
-    def held_tokens(self, block_size: int, prompt_tokens: int) -> int:
-        """Work the worker holds, in tokens: its KV blocks in use, and a prompt's worth for each
-        request queued there or sent since its last report (those hold no blocks yet). Requests
-        the last report counted that have ended since are taken off: a report taken while one
-        request ran would otherwise make an idle worker look busy until the next report, and
-        send the next request sharing its prefix elsewhere."""
-        load = self.load
-        reported = 0
-        if load is not None:
-            # in tokens of every layer: a hybrid model's blocks are pages of some of its layers
-            share = float(load.block_layer_share) or 1.0
-            used = round((int(load.num_total_blocks) - int(load.num_free_blocks)) * block_size * share)
-            reported = max(0, used + int(load.num_waiting) * prompt_tokens - self.freed_since_report)
-        return reported + self.unreported * prompt_tokens
-
-    @property
-    def target(self) -> str:
-        return self.client.target
-
-    @property
-    def tp_size(self) -> int:
-        """Its engine's tensor-parallel size, from its last report (1 before one, or from an older
-        worker)."""
-        reported = int(self.load.tensor_parallel_size) if self.load is not None else 0
-        return reported or 1
-
-    @property
-    def unreported(self) -> int:
-        """Requests sent since the last load report that are still in flight (at most): the
-        ones that already finished must not count, or a late report would let the estimate grow
-        without bound under a fast stream of short requests."""
-        return min(self.sent_since_report, self.inflight)
-
-    @property
-    def score(self) -> float:
-        reported = load_score(self.load) if self.load is not None else 0
-        return reported + self.unreported
-
-    @property
-    def waiting(self) -> int:
-        """Requests likely queued on the worker: reported waiting plus those sent since."""
-        return (int(self.load.num_waiting) if self.load is not None else 0) + self.unreported
 
 
 @dataclass(frozen=True)
@@ -175,7 +114,8 @@ class WorkerPool:
 
     async def close(self) -> None:
         await self._refresher.stop()
-        await asyncio.gather(*(w.client.close() for w in self.workers))
+        await asyncio.gather(*(w.client.close() for w in self.workers),
+                             *(w.feed.close() for w in self.workers if w.feed is not None))
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -231,13 +171,30 @@ class WorkerPool:
         if load.instance_id != w.instance:
             if w.instance:
                 logger.warning("%s worker %s restarted (new instance)", self.role, w.target)
-                w.prefix.clear()
+                w.forget_cache()
             w.instance = load.instance_id
+        self._follow_events(w, load)
         if not load.serving:  # its own requests fail by themselves if they are lost
             self._set_unhealthy(w, f"not serving: {load.not_serving_reason}", down=False)
         elif not w.healthy:
             logger.warning("%s worker %s is healthy again", self.role, w.target)
             w.healthy, w.last_error = True, ""
+
+    def _follow_events(self, w: WorkerState, load: pb.LoadReport) -> None:
+        """Subscribes to the worker's KV events where its report says it publishes them."""
+        if self.options.prefix_index != "events" or not load.kv_events_endpoint:
+            return
+        endpoint = subscriber_address(load.kv_events_endpoint, w.target)
+        replay = subscriber_address(load.kv_events_replay_endpoint, w.target)
+        feed = w.feed
+        if feed is None or (feed.endpoint, feed.replay_endpoint, feed.topic) != (
+                endpoint, replay, load.kv_events_topic):
+            if feed is not None:
+                asyncio.get_running_loop().create_task(feed.close())
+            feed = w.feed = KVEventFeed(f"{self.role} worker {w.target}", endpoint, replay,
+                                        load.kv_events_topic)
+            feed.start()
+        feed.reported(int(load.kv_events_published))
 
     def mark_failed(self, w: WorkerState, error: BaseException) -> None:
         """A call to the worker failed in a way that says it is down (UNAVAILABLE, connection)."""
@@ -248,7 +205,7 @@ class WorkerPool:
         was = w.healthy
         if was:
             logger.warning("%s worker %s marked unhealthy: %s", self.role, w.target, why)
-            w.prefix.clear()  # a restarted worker has an empty cache
+            w.forget_cache()  # a restarted worker has an empty cache
         w.healthy, w.last_error = False, why
         if was and self.on_unhealthy is not None:
             self.on_unhealthy(w, why, down)
@@ -295,6 +252,8 @@ class WorkerPool:
             return False
         self.workers.remove(w)
         await w.client.close()
+        if w.feed is not None:
+            await w.feed.close()
         logger.warning("%s worker %s removed", self.role, target)
         return True
 
@@ -316,7 +275,7 @@ class WorkerPool:
         healthy = self.healthy
         return bool(healthy) and all(w.waiting >= max_waiting for w in healthy)
 
-    def pick(self, hashes: Sequence[int] = (), exclude: frozenset[str] = frozenset(),
+    def pick(self, hashes: Sequence[bytes] = (), exclude: frozenset[str] = frozenset(),
              prompt_tokens: int = 0) -> Pick | None:
         """The worker for a prompt of `prompt_tokens` tokens whose block hashes are `hashes`;
         None when none is healthy (or all are in `exclude`)."""
@@ -325,10 +284,10 @@ class WorkerPool:
             return None
         if self.options.policy == "least_loaded" or not hashes:
             w = min(cands, key=lambda w: (w.score, w.inflight))
-            return Pick(w, w.prefix.match(hashes))
+            return Pick(w, w.match(hashes, self.options.block_size))
         bs, weight = self.options.block_size, self.options.overlap_weight
         tokens = max(prompt_tokens, len(hashes) * bs)
-        matches = {w.target: w.prefix.match(hashes) for w in cands}
+        matches = {w.target: w.match(hashes, bs) for w in cands}
 
         def cost(w: WorkerState) -> tuple[float, int]:
             uncached = tokens - matches[w.target]
@@ -337,13 +296,17 @@ class WorkerPool:
         w = min(cands, key=cost)
         return Pick(w, matches[w.target])
 
-    def acquire(self, w: WorkerState, hashes: Sequence[int] = ()) -> Lease:
+    def acquire(self, w: WorkerState, hashes: Sequence[bytes] = ()) -> Lease:
         """Counts a request sent to `w` whose prompt's block hashes are `hashes`; `release` it
         with the lease when it ends."""
         w.inflight += 1
         w.requests += 1
         w.sent_since_report += 1
-        return Lease(w, w.requests, w.prefix.insert(hashes) if hashes else 0)
+        if not hashes:
+            return Lease(w, w.requests, 0)
+        exact = w.match(hashes, self.options.block_size) if w.exact else None
+        approximate = w.prefix.insert(hashes)  # (kept up to date: the fallback)
+        return Lease(w, w.requests, approximate if exact is None else exact)
 
     def release(self, lease: Lease, tokens: int = 0) -> None:
         """The request ended, having held `tokens` tokens of KV (prompt and output) on the worker

@@ -2,7 +2,8 @@
 send a prompt where its prefix is most likely still cached.
 
 Prompts are cut into blocks of `block_size` tokens (the engine's KV block size) and each full
-block gets a hash chained over the blocks before it, like the engine's prefix cache; a worker's
+block gets the engine's own prefix-cache hash (the SHA-256 chain of engine/core/
+kv_cache_manager.py, the hashes its KV events name: dispatch/kv_events.py); a worker's
 index remembers the chained hashes of prompts sent to it (least recently used dropped beyond
 `max_blocks`). A match is the number of leading blocks found, so it is what the worker's prefix
 cache would hit if it had not evicted them since: approximate by design (no feedback from the
@@ -14,16 +15,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from engine.core.kv_cache_manager import block_hashes_for
 
-def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
-    """Chained hashes of the full blocks of `token_ids`; a salted chain starts from the salt, as
-    the workers' prefix caches do, so a prompt never matches another salt's blocks."""
-    out: list[int] = []
-    prev = hash(("cache_salt", cache_salt)) if cache_salt else 0
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        prev = hash((prev, tuple(token_ids[start:start + block_size])))
-        out.append(prev)
-    return out
+
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[bytes]:
+    """The engine's hashes of the full blocks of `token_ids` (a salt enters the first block's, as
+    in the workers' prefix caches, so a prompt never matches another salt's blocks)."""
+    return block_hashes_for(list(token_ids), block_size, cache_salt=cache_salt or None)
 
 
 class PrefixIndex:
@@ -32,12 +30,12 @@ class PrefixIndex:
             raise ValueError(f"block_size and max_blocks must be >= 1, got {block_size}, {max_blocks}")
         self.block_size = block_size
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()  # oldest first
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def match(self, hashes: Sequence[int]) -> int:
+    def match(self, hashes: Sequence[bytes]) -> int:
         """How many tokens, from the first, this worker has likely cached."""
         n = 0
         for h in hashes:
@@ -46,7 +44,7 @@ class PrefixIndex:
             n += 1
         return n * self.block_size
 
-    def insert(self, hashes: Sequence[int]) -> int:
+    def insert(self, hashes: Sequence[bytes]) -> int:
         """Records a prompt sent to this worker (its blocks become the most recently used);
         returns what `match` would have returned before."""
         matched, leading = 0, True

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from services.router.dispatch.pool import Policy, PoolOptions
+from services.router.dispatch.pool import Policy, PoolOptions, PrefixSource
 from services.worker.auth import WorkerAccess
 from services.worker.client import PositionLogprobs
 
@@ -30,6 +30,7 @@ class DispatchOptions:
     decode_policy: Policy = "prefix_aware"
     local_prefill_tokens: int = 0  # uncached prompt tokens the decode worker computes itself; 0 = off
     block_size: int = 16
+    prefix_index: PrefixSource = "events"  # KV events where workers publish them (dispatch/pool.py)
     stall_timeout_s: float = 5.0  # a decode stream silent this long moves to another worker
     max_migrations: int = 3  # per sample
     migration_wait_s: float = 60.0  # how long a migrating sample waits for a serving worker
@@ -52,7 +53,8 @@ class DispatchOptions:
 
     def pool_options(self, policy: Policy) -> PoolOptions:
         return PoolOptions(policy=policy, refresh_s=self.refresh_s, load_timeout_s=self.load_timeout_s,
-                           block_size=self.block_size, access=self.worker_access)
+                           block_size=self.block_size, access=self.worker_access,
+                           prefix_index=self.prefix_index)
 
 
 @dataclass
@@ -80,7 +82,7 @@ class _Sample:
     prompt_ids: list[int]
     params: SamplingParams  # the whole sample's
     kv: dict[str, Any] | None
-    hashes: Sequence[int]
+    hashes: Sequence[bytes]
     deadline: float
     priority: int = 0
     cache_salt: str = ""

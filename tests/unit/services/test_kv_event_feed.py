@@ -1,0 +1,154 @@
+"""The router's precise prefix index (services/router/dispatch/kv_events.py) against the engine's
+real publisher (engine/kv_events/publisher.py) over loopback ZMQ: joining mid-stream, a lost
+last batch, an engine restart, and the pool's fallback to the approximate index."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import pytest
+
+from engine.kv_events.config import KVEventsConfig
+from engine.kv_events.events import AllBlocksCleared, BlockRemoved, BlockStored
+from engine.kv_events.publisher import ZmqEventPublisher
+from protos import worker_pb2 as pb
+from services.procs import free_port
+from services.router.dispatch.kv_events import KVEventFeed, subscriber_address
+from services.router.dispatch.pool import PoolOptions, WorkerPool
+
+BS = 4
+
+
+def _h(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()
+
+
+def _stored(*ids: int) -> BlockStored:
+    return BlockStored(block_hashes=[_h(i) for i in ids], parent_block_hash=None,
+                       token_ids=list(range(BS * len(ids))), block_size=BS, lora_id=None,
+                       medium="CPU", lora_name=None)
+
+
+def _publisher(pub: int, replay: int) -> ZmqEventPublisher:
+    return ZmqEventPublisher(KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{pub}", bind=True,
+        replay_endpoint=f"tcp://127.0.0.1:{replay}", topic="kv-events"))
+
+
+async def _until(cond: object, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not cond():  # type: ignore[operator]
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_feed_joining_mid_stream_replays_from_the_start_and_tracks_the_cache() -> None:
+    pub, replay = free_port(), free_port()
+    publisher = _publisher(pub, replay)
+    feed = KVEventFeed("w", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", "kv-events")
+    try:
+        publisher.publish([AllBlocksCleared()])
+        publisher.publish([_stored(1, 2, 3)])  # before the feed joins: replayed
+        await _until(lambda: publisher.next_seq == 2)
+        feed.start()
+        await asyncio.sleep(0.3)  # (the SUB socket connects)
+        publisher.publish([BlockRemoved(block_hashes=[_h(3)], medium="CPU"), _stored(4)])
+        await _until(lambda: feed.index.last_seq == 2)
+        assert feed.index.exact
+        assert feed.index.blocks == {_h(1), _h(2), _h(4)}
+        assert feed.index.match([_h(1), _h(2), _h(3)], BS) == 2 * BS
+    finally:
+        await feed.close()
+        publisher.shutdown()
+
+
+async def test_a_lost_last_batch_is_fetched_once_a_report_shows_it() -> None:
+    pub, replay = free_port(), free_port()
+    publisher = _publisher(pub, replay)
+    feed = KVEventFeed("w", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", "kv-events")
+    try:
+        feed.start()
+        await asyncio.sleep(0.3)
+        publisher.publish([AllBlocksCleared()])
+        await _until(lambda: feed.index.last_seq == 0)
+        # the feed misses seq 1 (as if the PUB socket dropped it): close its subscription
+        await feed.close()
+        publisher.publish([_stored(7)])
+        await _until(lambda: publisher.next_seq == 2)
+        feed.start()
+        await asyncio.sleep(0.3)
+        feed.reported(2)  # a report: 2 published, the feed has 1: maybe still on its way
+        assert not feed.index.exact
+        await asyncio.sleep(0.05)
+        feed.reported(2)  # still behind at the next report: lost, asked for by replay
+        await _until(lambda: feed.index.last_seq == 1)
+        assert feed.index.exact and feed.index.blocks == {_h(7)}
+    finally:
+        await feed.close()
+        publisher.shutdown()
+
+
+async def test_an_engine_restart_starts_the_index_over() -> None:
+    pub, replay = free_port(), free_port()
+    publisher = _publisher(pub, replay)
+    feed = KVEventFeed("w", f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", "kv-events")
+    try:
+        feed.start()
+        await asyncio.sleep(0.3)
+        for batch in ([AllBlocksCleared()], [_stored(1)], [_stored(2)], [_stored(3)]):
+            publisher.publish(batch)
+        await _until(lambda: feed.index.last_seq == 3)
+        publisher.shutdown()
+        publisher = _publisher(pub, replay)  # the engine restarted: sequences from 0 again
+        await asyncio.sleep(0.5)  # (the SUB socket reconnects)
+        publisher.publish([AllBlocksCleared()])
+        publisher.publish([_stored(9)])
+        await _until(lambda: feed.index.blocks == {_h(9)})
+        assert feed.index.exact and feed.index.last_seq == 1
+    finally:
+        await feed.close()
+        publisher.shutdown()
+
+
+async def test_the_pool_scores_on_events_and_falls_back_without_them() -> None:
+    pool = WorkerPool("decode", ["127.0.0.1:1", "127.0.0.1:2"], PoolOptions(block_size=BS))
+    a, b = pool.workers
+    pub, replay = free_port(), free_port()
+    publisher = _publisher(pub, replay)
+    try:
+        for w in (a, b):
+            w.load = pb.LoadReport(serving=True, num_total_blocks=100, num_free_blocks=100)
+        report = pb.LoadReport(serving=True, num_total_blocks=100, num_free_blocks=100,
+                               kv_events_endpoint=f"tcp://0.0.0.0:{pub}",
+                               kv_events_replay_endpoint=f"tcp://0.0.0.0:{replay}",
+                               kv_events_topic="kv-events")
+        pool._follow_events(a, report)
+        assert a.feed is not None and a.feed.endpoint == f"tcp://127.0.0.1:{pub}"
+        await asyncio.sleep(0.3)
+        publisher.publish([AllBlocksCleared()])
+        publisher.publish([_stored(1, 2)])
+        await _until(lambda: a.feed is not None and a.feed.index.last_seq == 1)
+        hashes = [_h(1), _h(2), _h(5)]
+        # b was sent this prompt (approximate: it likely holds it); a's events say a holds it
+        pool.acquire(b, hashes)
+        assert a.exact and a.match(hashes, BS) == 2 * BS
+        assert not b.exact and b.match(hashes, BS) == 3 * BS
+        # a evicts it: its events say so at once, where an approximate index would not know
+        publisher.publish([BlockRemoved(block_hashes=[_h(1)], medium="CPU")])
+        await _until(lambda: a.match(hashes, BS) == 0)
+        pool._set_unhealthy(a, "test", down=True)  # unhealthy: back to the approximate index
+        assert not a.exact
+    finally:
+        await pool.close()
+        publisher.shutdown()
+
+
+@pytest.mark.parametrize(("reported", "target", "expected"), [
+    ("tcp://0.0.0.0:5557", "10.1.2.3:50051", "tcp://10.1.2.3:5557"),
+    ("tcp://*:5557", "worker-0:50051", "tcp://worker-0:5557"),
+    ("tcp://127.0.0.1:5557", "10.1.2.3:50051", "tcp://127.0.0.1:5557"),
+    ("ipc:///tmp/ev", "10.1.2.3:50051", "ipc:///tmp/ev"),
+])
+def test_subscriber_address(reported: str, target: str, expected: str) -> None:
+    assert subscriber_address(reported, target) == expected
