@@ -72,7 +72,9 @@ class RouterState:
                                 on_decision=lambda d: holder[0].decisions.labels(d).inc(),
                                 on_prefill_failure=lambda w: holder[0].prefill_failures.labels(w).inc(),
                                 on_migration=lambda why: holder[0].migrations.labels(why).inc(),
-                                on_handoff=lambda s, mode: holder[0].handoff.labels(mode).observe(s))
+                                on_handoff=lambda s, mode: holder[0].handoff.labels(mode).observe(s),
+                                on_prefix=lambda pool, exact, expected, found: holder[0].prefix_tokens(
+                                    pool, exact, expected, found))
         holder.append(RouterMetrics(self.config.model, dispatcher.pools,
                                     self.config.max_model_len or DEFAULT_MAX_MODEL_LEN))
         self._gen = Generator(self.config, tokenizer, dispatcher, holder[0])

@@ -89,12 +89,25 @@ class RouterMetrics:
                                        ["reason", *labels], registry=r), own)
         self.prefill_failures = _Fixed(Counter("pdserve:router_prefill_failures", "Failed prefill calls.",
                                                ["worker", *labels], registry=r), own)
+        self.prefix_expected = _Fixed(Counter(
+            "pdserve:router_prefix_expected_tokens", "Prompt tokens the router expected the worker "
+            "it chose to have cached, by pool and by index: events (the worker's KV cache events) "
+            "or approximate (the prompts sent to it).", ["pool", "index", *labels], registry=r), own)
+        self.prefix_found = _Fixed(Counter(
+            "pdserve:router_prefix_found_tokens", "Prompt tokens the chosen worker found cached, by "
+            "pool and by the index the choice was made on (found / expected: how true the index "
+            "was).", ["pool", "index", *labels], registry=r), own)
         self.migrations = _Fixed(Counter(
             "pdserve:router_migrations", "Samples moved to another decode (or colocated) worker "
             "mid-stream, by reason: broken (the stream failed), stalled (no output or heartbeat "
             "within the stall timeout), unhealthy (the worker went unhealthy).",
             ["reason", *labels], registry=r), own)
         self.registry.register(_PoolCollector(list(pools), {"model_name": model, "instance": own[2]}))
+
+    def prefix_tokens(self, pool: str, exact: bool, expected: int, found: int) -> None:
+        index = "events" if exact else "approximate"
+        self.prefix_expected.labels(pool, index).inc(expected)
+        self.prefix_found.labels(pool, index).inc(found)
 
     def request_finished(self, n: int, most_tokens: int) -> None:
         """A client request whose `n` samples all finished, the longest with `most_tokens`."""

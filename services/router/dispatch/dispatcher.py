@@ -60,14 +60,18 @@ class Dispatcher:
     """Runs one sample through a prefill worker and a decode worker (or one colocated worker).
     `on_decision(name)` is told how each sample was dispatched, `on_migration(reason)` each time
     one moved to another worker ("broken", "stalled" or "unhealthy"), `on_handoff(seconds, mode)` the
-    time from a prefill's first token to the decode worker's first (the sample's second), for
-    metrics."""
+    time from a prefill's first token to the decode worker's first (the sample's second),
+    `on_prefix(pool, exact, expected, found)` for each call that computes a prompt the prompt
+    tokens the router expected its worker to have cached (from its KV events when `exact`, else
+    the approximate index) and those the worker found, for metrics."""
 
     def __init__(self, options: DispatchOptions, on_decision: Callable[[str], None] | None = None,
                  on_prefill_failure: Callable[[str], None] | None = None,
                  on_migration: Callable[[str], None] | None = None,
-                 on_handoff: Callable[[float, str], None] | None = None) -> None:
+                 on_handoff: Callable[[float, str], None] | None = None,
+                 on_prefix: Callable[[str, bool, int, int], None] | None = None) -> None:
         self.options = options
+        self._on_prefix = on_prefix or (lambda pool, exact, expected, found: None)
         self.inflight = InFlight(options.stall_timeout_s)
         self.prefill = (WorkerPool("prefill", options.prefill, options.pool_options(options.prefill_policy),
                                    on_unhealthy=self._worker_unhealthy)
@@ -213,7 +217,7 @@ class Dispatcher:
                 break
             worker = pick.worker
             tried.add(worker.target)
-            lease = self.prefill.acquire(worker, hashes)
+            lease = self.prefill.acquire(worker, hashes, len(prompt_ids))
             done = False
             try:
                 async with aclosing(self._prefill_on(worker, request_id, prompt_ids, params, priority,
@@ -221,8 +225,10 @@ class Dispatcher:
                     async for item in items:
                         announced = announced or isinstance(item, Step)
                         done = isinstance(item, PrefillResult)
-                        if done:
+                        if isinstance(item, PrefillResult):
                             self._on_decision("disaggregated")
+                            self._on_prefix("prefill", lease.exact, lease.matched_tokens,
+                                            item.num_cached_tokens)
                         yield item
             except WorkerError as e:
                 if e.kind == "invalid":
@@ -310,10 +316,11 @@ class Dispatcher:
                 early.drop()
             raise WorkerError(worker.target, "timeout", "the sample's decode deadline passed")
         rid, ids = sample.next_call()
+        computes_prompt = early is None and sample.kv is None and not sample.generated
         if early is not None:
             lease = early.take_lease()
         else:
-            lease = self.decode.acquire(worker, sample.hashes)
+            lease = self.decode.acquire(worker, sample.hashes, len(sample.prompt_ids))
         try:
             # prompt logprobs come from the call that computes the first token, once
             params = replace(sample.params, prompt_logprobs=None) if sample.generated else sample.params
@@ -335,6 +342,10 @@ class Dispatcher:
                                     attempt.touch()
                                 continue
                             announce = False
+                            if computes_prompt:
+                                computes_prompt = False
+                                self._on_prefix("decode", lease.exact, lease.matched_tokens,
+                                                chunk.cached_tokens)
                             sample.generated.extend(chunk.token_ids)
                             attempt.pause()
                             yield Step(chunk.token_ids, chunk.logprobs, chunk.finish_reason,

@@ -74,7 +74,7 @@ def start_early(pool: WorkerPool, request_id: str, prompt_ids: list[int], params
         return None
     worker = pick.worker
     rid = f"{request_id}-e"  # not the plain hand-off's id: a fallback on this worker never collides
-    lease = pool.acquire(worker, hashes)
+    lease = pool.acquire(worker, hashes, len(prompt_ids))
     kv = {"do_remote_prefill": True, "keys": [], "num_tokens": len(prompt_ids), "transfer_id": rid,
           "tp_size": prefill_tp}
     call = worker.client.start_decode(

@@ -284,10 +284,11 @@ class WorkerPool:
             return None
         if self.options.policy == "least_loaded" or not hashes:
             w = min(cands, key=lambda w: (w.score, w.inflight))
-            return Pick(w, w.match(hashes, self.options.block_size))
+            return Pick(w, w.match(self._hittable(hashes, prompt_tokens), self.options.block_size))
         bs, weight = self.options.block_size, self.options.overlap_weight
         tokens = max(prompt_tokens, len(hashes) * bs)
-        matches = {w.target: w.match(hashes, bs) for w in cands}
+        hittable = self._hittable(hashes, prompt_tokens)
+        matches = {w.target: w.match(hittable, bs) for w in cands}
 
         def cost(w: WorkerState) -> tuple[float, int]:
             uncached = tokens - matches[w.target]
@@ -296,7 +297,14 @@ class WorkerPool:
         w = min(cands, key=cost)
         return Pick(w, matches[w.target])
 
-    def acquire(self, w: WorkerState, hashes: Sequence[bytes] = ()) -> Lease:
+    def _hittable(self, hashes: Sequence[bytes], prompt_tokens: int) -> Sequence[bytes]:
+        """The blocks a prompt of `prompt_tokens` tokens can find cached: the engine computes at
+        least its last token, so a prompt of whole blocks hits one block fewer."""
+        if prompt_tokens <= 0:
+            return hashes
+        return hashes[:max(0, (prompt_tokens - 1) // self.options.block_size)]
+
+    def acquire(self, w: WorkerState, hashes: Sequence[bytes] = (), prompt_tokens: int = 0) -> Lease:
         """Counts a request sent to `w` whose prompt's block hashes are `hashes`; `release` it
         with the lease when it ends."""
         w.inflight += 1
@@ -304,9 +312,12 @@ class WorkerPool:
         w.sent_since_report += 1
         if not hashes:
             return Lease(w, w.requests, 0)
-        exact = w.match(hashes, self.options.block_size) if w.exact else None
+        hittable = self._hittable(hashes, prompt_tokens)
+        exact = w.match(hittable, self.options.block_size) if w.exact else None
         approximate = w.prefix.insert(hashes)  # (kept up to date: the fallback)
-        return Lease(w, w.requests, approximate if exact is None else exact)
+        if exact is None:
+            return Lease(w, w.requests, min(approximate, len(hittable) * self.options.block_size))
+        return Lease(w, w.requests, exact, exact=True)
 
     def release(self, lease: Lease, tokens: int = 0) -> None:
         """The request ended, having held `tokens` tokens of KV (prompt and output) on the worker
@@ -333,6 +344,7 @@ class Lease:
     worker: WorkerState
     number: int
     matched_tokens: int = 0
+    exact: bool = False  # matched_tokens from the worker's KV events (else the approximate index)
 
 
 def is_down(error: BaseException) -> bool:

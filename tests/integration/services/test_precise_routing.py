@@ -93,3 +93,17 @@ async def test_events_route_to_the_worker_that_holds_the_prefix(
     assert await _complete(events, a) == 4 * BLOCK  # to the worker that holds it: a hit
     assert await _complete(approximate, a) == 0  # to where it was sent before: evicted, a miss
     assert await _cached_blocks(first) > 0 and await _cached_blocks(other) > 0
+    # the routers' own account: what they expected the chosen worker to hold, and what it found
+    assert await _prefix_tokens(events, "events") == (2 * 4 * BLOCK, 2 * 4 * BLOCK)
+    assert await _prefix_tokens(approximate, "approximate") == (4 * BLOCK, 0)
+
+
+async def _prefix_tokens(router: Proc, index: str) -> tuple[int, int]:
+    """(expected, found) prompt tokens of the router's choices made on `index`."""
+    async with httpx.AsyncClient(base_url=f"http://{router.target}", timeout=10) as http:
+        text = (await http.get("/metrics")).text
+    out = []
+    for name in ("pdserve:router_prefix_expected_tokens_total", "pdserve:router_prefix_found_tokens_total"):
+        out.append(int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith(name + "{") and f'index="{index}"' in line)))
+    return out[0], out[1]
