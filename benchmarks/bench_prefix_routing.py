@@ -1,10 +1,11 @@
 """Precise (KV events) vs approximate prefix routing, one run, one table (issue 37).
 
-`--workers` colocated workers of the default model, each with a small KV cache
-(`--num-kv-blocks`) so conversations evict each other. They publish KV cache events. Two routers
-run over the same workers: one with `--prefix-index events` (pdserve's default), one with
-`--prefix-index approximate` (the index of the prompts it sent, which pdserve used before).
-The workload is a multi-turn chat:
+`--workers` colocated workers of the default model, each with a KV cache of
+`--num-kv-blocks` blocks. They publish KV cache events. Over the same workers run `--routers`
+router replicas with `--prefix-index events` (pdserve's default) and as many with
+`--prefix-index approximate` (the index of the prompts a router sent itself, which pdserve
+used before): as behind a load balancer, each turn of a conversation goes to the next replica
+of its kind. The workload is a multi-turn chat:
 
 - `--conversations` conversations run at once, each `--turns` turns long;
 - every conversation shares a system prompt of about `--system-words` words;
@@ -48,25 +49,30 @@ import httpx
 
 from benchmarks.common import markdown_table, median, percentile
 from engine.config import DEFAULT_MODEL
-from services.procs import free_ports, stop_process
+from services.procs import cli, free_ports, new_instance_id, spawn, stop_process
+from services.readiness import router_ready, worker_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 INDEXES = ("events", "approximate")
-WORDS = ("river stone garden window paper music light forest ocean mountain city bridge "
-         "engine market winter summer silver orange yellow purple table chair letter story "
-         "number signal planet rocket castle island valley desert harbor lantern").split()
+WORDS = (
+    "river", "stone", "garden", "window", "paper", "music", "light", "forest", "ocean",
+    "mountain", "city", "bridge", "engine", "market", "winter", "summer", "silver", "orange",
+    "yellow", "purple", "table", "chair", "letter", "story", "number", "signal", "planet",
+    "rocket", "castle", "island", "valley", "desert", "harbor", "lantern",
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--routers", type=int, default=2, help="router replicas per index")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--system-words", type=int, default=150)
     p.add_argument("--user-words", type=int, default=50)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--num-kv-blocks", type=int, default=80, help="per worker (16-token blocks)")
+    p.add_argument("--num-kv-blocks", type=int, default=96, help="per worker (16-token blocks)")
     p.add_argument("--max-model-len", type=int, default=1200)
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--repeats", type=int, default=1)
@@ -85,11 +91,13 @@ class Stack:
 
         folder = str(resolve_model_path(args.model))
         n = args.workers
-        ports = free_ports(3 * n + 2)
+        r = args.routers
+        ports = free_ports(3 * n + 2 * r)
         grpc, pubs, replays = ports[:n], ports[n:2 * n], ports[2 * n:3 * n]
-        self.router_ports = dict(zip(INDEXES, ports[3 * n:], strict=True))
+        self.router_ports = {index: ports[3 * n + k * r: 3 * n + (k + 1) * r]
+                             for k, index in enumerate(INDEXES)}
         self.targets = [f"127.0.0.1:{p}" for p in grpc]
-        self.procs: list[Any] = []
+        self.procs: list[tuple[Any, str]] = []
         self.logs = log_dir
         for i, (g, pub, rep) in enumerate(zip(grpc, pubs, replays, strict=True)):
             events = json.dumps({"enable_kv_cache_events": True, "bind": True, "topic": "kv-events",
@@ -102,74 +110,83 @@ class Stack:
                                         "--num-kv-blocks", str(args.num_kv_blocks),
                                         "--max-model-len", str(args.max_model_len),
                                         "--kv-events-config", events])
-        for index, port in self.router_ports.items():
-            self._spawn(f"router-{index}", ["router", "--model", args.model, "--tokenizer", folder,
-                                            "--port", str(port), "--prefix-index", index,
-                                            "--max-model-len", str(args.max_model_len),
-                                            *[a for t in self.targets for a in ("--decode", t)]])
+        for index, router_ports in self.router_ports.items():
+            for k, port in enumerate(router_ports):
+                self._spawn(f"router-{index}-{k}", [
+                    "router", "--model", args.model, "--tokenizer", folder, "--port", str(port),
+                    "--prefix-index", index, "--max-model-len", str(args.max_model_len),
+                    *[a for t in self.targets for a in ("--decode", t)]])
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         import subprocess
 
         log = open(self.logs / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-        self.procs.append(subprocess.Popen([sys.executable, "-m", "services.cli", *argv], cwd=ROOT,
-                                           stdout=log, stderr=subprocess.STDOUT,
-                                           env={**os.environ, "PYTHONPATH": str(ROOT)}))
+        instance = new_instance_id()
+        proc = spawn(cli(*argv), instance=instance, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+        self.procs.append((proc, instance))
 
     def wait_ready(self, timeout_s: float) -> None:
-        """Both routers answer and each sees every worker serving with its events stream."""
+        """Every worker serves (its engine is up), then both routers; then a few of the routers'
+        load refreshes (0.1 s each), so their pools see every worker serving."""
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=5) as http:
-            for port in self.router_ports.values():
-                while True:
-                    if any(p.poll() is not None for p in self.procs):
-                        raise RuntimeError(f"a component exited; see {self.logs}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"not ready after {timeout_s} s; see {self.logs}")
-                    try:
-                        if _serving_workers(http, port) == len(self.targets):
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    time.sleep(1.0)
+        checks = [worker_ready(t) for t in self.targets]
+        checks += [router_ready(f"http://127.0.0.1:{p}") for ports in self.router_ports.values()
+                   for p in ports]
+        for (proc, instance), ready in zip(self.procs, checks, strict=True):
+            while not ready(instance):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"a component did not come up; see {self.logs}")
+                time.sleep(0.5)
+        time.sleep(2.0)
 
     def stop(self) -> None:
-        for p in self.procs:
-            stop_process(p, timeout_s=30)
+        for proc, _ in self.procs:
+            stop_process(proc, timeout_s=30)
 
 
-def _serving_workers(http: httpx.Client, port: int) -> int:
+def _router_prefix(http: httpx.Client, port: int) -> dict[str, float]:
+    """The router's prefix counters, summed over pools: "<index> expected" / "<index> found"."""
     text = http.get(f"http://127.0.0.1:{port}/metrics").text
-    return sum(1 for line in text.splitlines()
-               if line.startswith("pdserve:worker_healthy{") and line.endswith(" 1.0"))
+    out: dict[str, float] = {}
+    for kind in ("expected", "found"):
+        name = f"pdserve:router_prefix_{kind}_tokens_total{{"
+        for line in text.splitlines():
+            if line.startswith(name):
+                index = line.split('index="', 1)[1].split('"', 1)[0]
+                out[f"{index} {kind}"] = out.get(f"{index} {kind}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
-def _router_prefix(http: httpx.Client, port: int) -> tuple[float, float]:
-    text = http.get(f"http://127.0.0.1:{port}/metrics").text
-    out = []
-    for name in ("pdserve:router_prefix_expected_tokens_total", "pdserve:router_prefix_found_tokens_total"):
-        out.append(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith(name + "{")))
-    return out[0], out[1]
+def _summed(http: httpx.Client, ports: list[int]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for port in ports:
+        for k, v in _router_prefix(http, port).items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def _text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def conversation(port: int, model: str, system: str, rng: random.Random, args: argparse.Namespace,
-                 out: list[dict[str, float]], lock: threading.Lock) -> None:
+def conversation(ports: list[int], model: str, system: str, rng: random.Random,
+                 args: argparse.Namespace, out: list[dict[str, float]], lock: threading.Lock) -> None:
+    """One conversation, turn t through router replica t mod len(ports)."""
     messages = [{"role": "system", "content": system}]
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=args.request_timeout_s) as http:
-        for _ in range(args.turns):
+    first = rng.randrange(len(ports))
+    with httpx.Client(timeout=args.request_timeout_s) as http:
+        for turn in range(args.turns):
+            base = f"http://127.0.0.1:{ports[(first + turn) % len(ports)]}"
             messages.append({"role": "user", "content": _text(rng, args.user_words)})
             body = {"model": model, "messages": messages, "max_tokens": args.output_len,
                     "temperature": 0, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
             start = time.perf_counter()
             ttft, text, usage = None, [], None
-            with http.stream("POST", "/v1/chat/completions", json=body) as resp:
-                resp.raise_for_status()
+            with http.stream("POST", f"{base}/v1/chat/completions", json=body) as resp:
+                if resp.status_code != 200:
+                    raise RuntimeError(f"HTTP {resp.status_code}: {resp.read().decode()[:300]}")
                 for line in resp.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -189,14 +206,14 @@ def conversation(port: int, model: str, system: str, rng: random.Random, args: a
 
 
 def run_phase(stack: Stack, index: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
-    port = stack.router_ports[index]
+    ports = stack.router_ports[index]
     rng = random.Random(seed)
     system = "You are a helpful assistant. " + _text(rng, args.system_words)
     with httpx.Client(timeout=10) as http:
-        before = _router_prefix(http, port)
+        before = _summed(http, ports)
     turns: list[dict[str, float]] = []
     lock = threading.Lock()
-    threads = [threading.Thread(target=conversation, args=(port, args.model, system,
+    threads = [threading.Thread(target=conversation, args=(ports, args.model, system,
                                                            random.Random(rng.random()), args, turns, lock))
                for _ in range(args.conversations)]
     start = time.perf_counter()
@@ -206,9 +223,9 @@ def run_phase(stack: Stack, index: str, args: argparse.Namespace, seed: int) -> 
         t.join()
     wall = time.perf_counter() - start
     with httpx.Client(timeout=10) as http:
-        after = _router_prefix(http, port)
-    expected, found = after[0] - before[0], after[1] - before[1]
-    return {"turns": turns, "wall": wall, "expected": expected, "found": found}
+        after = _summed(http, ports)
+    counts = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return {"turns": turns, "wall": wall, "counts": counts}
 
 
 def summarize(index: str, phases: list[dict[str, Any]]) -> list[object]:
@@ -216,12 +233,33 @@ def summarize(index: str, phases: list[dict[str, Any]]) -> list[object]:
     prompt = sum(t["prompt"] for t in turns)
     cached = sum(t["cached"] for t in turns)
     ttfts = [t["ttft"] for t in turns]
-    expected = sum(p["expected"] for p in phases)
-    found = sum(p["found"] for p in phases)
+    counts: dict[str, float] = {}
+    for p in phases:
+        for k, v in p["counts"].items():
+            counts[k] = counts.get(k, 0.0) + v
+
+    def account(source: str) -> str:
+        expected, found = counts.get(f"{source} expected", 0.0), counts.get(f"{source} found", 0.0)
+        return f"{found:.0f} / {expected:.0f}" if expected or found else "-"
+
     return [index, len(turns), f"{cached / prompt:.3f}", int(cached), int(prompt),
             f"{median(ttfts) * 1e3:.0f}", f"{percentile(ttfts, 90) * 1e3:.0f}",
-            int(expected), int(found), f"{found / expected:.3f}" if expected else "-",
-            f"{sum(p['wall'] for p in phases):.0f}"]
+            account("events"), account("approximate"), f"{sum(p['wall'] for p in phases):.0f}"]
+
+
+def _explain(index: str, phases: list[dict[str, Any]]) -> str:
+    """What the router's found / expected tokens say about its index."""
+    expected = sum(p["counts"].get(f"{index} expected", 0.0) for p in phases)
+    found = sum(p["counts"].get(f"{index} found", 0.0) for p in phases)
+    if not expected:
+        return "no choice was made on this index"
+    if found < expected:
+        return (f"its workers found {found:.0f} of the {expected:.0f} prompt tokens it expected "
+                "them to hold: blocks it listed that had been evicted (by the time the request "
+                "was scheduled)")
+    return (f"its workers found {found:.0f} prompt tokens where it expected {expected:.0f}: "
+            "blocks it did not know they held (placed by another replica or client, or "
+            "computed for a concurrent request between the choice and the request's first step)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -240,19 +278,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         stack.stop()
     print(f"# prefix routing: {args.workers} colocated workers ({args.model}, {args.num_kv_blocks} "
-          f"KV blocks of 16 tokens each, {args.num_threads} thread(s)), {args.conversations} "
+          f"KV blocks of 16 tokens each, {args.num_threads} thread(s)), {args.routers} router "
+          f"replica(s) per index taking turns, {args.conversations} "
           f"conversations at once x {args.turns} turns, system ~{args.system_words} words, user "
           f"~{args.user_words} words, {args.output_len} output tokens; {args.repeats} phase(s) "
           "per index, order alternating")
     print(f"machine: {os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} after the run")
     rows = [summarize(i, results[i]) for i in INDEXES]
-    print(markdown_table(["index", "turns", "hit rate", "cached tok", "prompt tok", "TTFT p50 ms",
-                          "TTFT p90 ms", "router expected tok", "found tok", "found/expected",
-                          "wall s"], rows))
+    print(markdown_table(["router", "turns", "hit rate", "cached tok", "prompt tok", "TTFT p50 ms",
+                          "TTFT p90 ms", "found / expected (choices on events)",
+                          "found / expected (choices on the approximate index)", "wall s"], rows))
     ev, ap = rows
     print(f"events vs approximate: hit rate {ev[2]} vs {ap[2]}; TTFT p50 {ev[5]} vs {ap[5]} ms, "
-          f"p90 {ev[6]} vs {ap[6]} ms. The approximate index expected {ap[7]} cached tokens and "
-          f"its workers found {ap[8]}: the rest were blocks it still listed that had been evicted.")
+          f"p90 {ev[6]} vs {ap[6]} ms.")
+    for index in INDEXES:
+        print(f"{index}: {_explain(index, results[index])}")
     return 0
 
 

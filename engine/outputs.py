@@ -51,6 +51,14 @@ class RequestMetrics:
     finished_time: float = 0.0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_generated_tokens: int = 0
+    # KV a connector moved for it (engine/core/outputs.py RequestTimes)
+    kv_load_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    kv_load_end_time: float = 0.0
+    kv_save_bytes: int = 0
+    kv_save_seconds: float = 0.0
+    kv_save_end_time: float = 0.0
 
     @classmethod
     def from_times(cls, times: RequestTimes) -> RequestMetrics:
@@ -61,6 +69,10 @@ class RequestMetrics:
             finished_time=times.finished_time,
             num_cached_tokens=times.num_cached_tokens,
             num_preemptions=times.num_preemptions,
+            num_generated_tokens=times.num_generated_tokens,
+            kv_load_bytes=times.kv_load_bytes, kv_load_seconds=times.kv_load_seconds,
+            kv_load_end_time=times.kv_load_end_time, kv_save_bytes=times.kv_save_bytes,
+            kv_save_seconds=times.kv_save_seconds, kv_save_end_time=times.kv_save_end_time,
         )
 
     @property

@@ -20,6 +20,7 @@ from typing import Any
 from engine.config import DEFAULT_MODEL
 from engine.kv_events.config import KVEventsConfig
 from engine.spec.config import SpeculativeConfig
+from services import tracing
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +165,7 @@ def _add_kvstore(subparsers: Any) -> None:
 def _add_worker(subparsers: Any) -> None:
     p = subparsers.add_parser("worker", help="run a prefill, decode or colocated gRPC worker")
     p.add_argument("--role", required=True, choices=["prefill", "decode", "colocated"])
+    _add_tracing_arg(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=None,
                    help="default 50051 (prefill) or 50061 (decode, colocated); 0 = any free port")
@@ -245,11 +247,21 @@ def _run_worker(args: argparse.Namespace) -> int:
                             tls=TLSFiles(args.tls_cert, args.tls_key, args.tls_client_ca),
                             no_auth=args.no_auth)
     drop_from_environ(ENGINE_CORE_DROPS)  # read: the engine cores it starts do not inherit them
+    tracing.setup(f"pdserve-{args.role}", args.otlp_traces_endpoint)
     try:
         return asyncio.run(serve(options))
     except (PortInUseError, ExposedWorkerError) as e:
         print(f"pdserve worker: {e}", file=sys.stderr)
         return 1
+    finally:
+        tracing.shutdown()
+
+
+def _add_tracing_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="send request traces (OpenTelemetry, OTLP) here, as vLLM's flag; the "
+                        "standard OTEL_EXPORTER_OTLP_* variables work too (default: off; "
+                        "docs/tracing.md)")
 
 
 def _add_router(subparsers: Any) -> None:
@@ -364,6 +376,7 @@ def _add_router(subparsers: Any) -> None:
     r.add_argument("--responses-store-mb", type=int, default=256, metavar="MB",
                    help="the most memory their JSON takes (default: %(default)s)")
     p.add_argument("--log-level", default="WARNING")
+    _add_tracing_arg(p)
     p.set_defaults(func=_run_router)
 
 
@@ -416,6 +429,7 @@ def _run_router(args: argparse.Namespace) -> int:
         print(f"pdserve router: {e}", file=sys.stderr)
         return 2
     liveness = None
+    tracing.setup("pdserve-router", args.otlp_traces_endpoint)
     try:
         if args.fd is None:
             bind(args.host, args.port).close()  # a taken port fails here, before the tokenizer loads
@@ -433,6 +447,7 @@ def _run_router(args: argparse.Namespace) -> int:
     finally:
         if liveness is not None:
             liveness.stop()
+        tracing.shutdown()
     print(f"pdserve router stopped ({args.host}:{args.port})", flush=True)
     return 0
 

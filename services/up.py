@@ -111,6 +111,9 @@ def add_up_parser(subparsers: Any) -> None:
                    help="each worker serves Prometheus /metrics on its gRPC port + this (0 = off); "
                         "the router's is at /metrics")
     up_kv_events.add_args(p)
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="every component sends request traces (OTLP) here; the standard "
+                        "OTEL_EXPORTER_OTLP_* variables work too (default: off; docs/tracing.md)")
     p.add_argument("--prefill-cpus", default=None, metavar="LIST",
                    help="pin prefill workers (and their engine cores) to these CPUs, e.g. 0 or 0-1 "
                         "(default: unpinned)")
@@ -217,6 +220,8 @@ def _worker_args(args: argparse.Namespace, folder: str, store: str) -> list[str]
             out += [flag, str(value)]
     if args.kv_cache_gib is None:  # the CPU default: the host's share, divided among its engines
         out += ["--kv-cache-sharers", str(kv_cache_sharers(args))]
+    if getattr(args, "otlp_traces_endpoint", None):
+        out += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     return out
 
 
@@ -347,6 +352,8 @@ def _specs(args: argparse.Namespace, folder: str, router_fd: int,
         router += ["--tenant-cache-salt"]
     if args.enable_responses_store:
         router += ["--enable-responses-store"]
+    if args.otlp_traces_endpoint:
+        router += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     router += _tool_args(args, folder)
     # Keys go by environment, not argv (ps shows argv); the router holds no store credential.
     if args.api_key and args.api_key != os.environ.get("PDSERVE_API_KEY"):

@@ -44,12 +44,19 @@ class KVConnectorOutput:
     # request id -> tokens that loaded correctly, from the start (load failures only)
     valid_loaded_tokens: dict[str, int] = field(default_factory=dict)
     load_errors: dict[str, str] = field(default_factory=dict)
+    # request id -> (bytes, seconds) of its KV loaded / saved (saves: in this step), for traces
+    load_stats: dict[str, tuple[int, float]] = field(default_factory=dict)
+    save_stats: dict[str, tuple[int, float]] = field(default_factory=dict)
 
     def merge(self, other: KVConnectorOutput) -> None:
         self.finished_sending |= other.finished_sending
         self.finished_recving |= other.finished_recving
         self.valid_loaded_tokens.update(other.valid_loaded_tokens)
         self.load_errors.update(other.load_errors)
+        self.load_stats.update(other.load_stats)
+        for req_id, (nbytes, seconds) in other.save_stats.items():
+            had = self.save_stats.get(req_id, (0, 0.0))
+            self.save_stats[req_id] = (had[0] + nbytes, max(had[1], seconds))
 
 
 class KVConnectorScheduler(abc.ABC):

@@ -89,6 +89,12 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         # transfer, for comparison); True: send each layer while the next ones compute.
         self.stream_layers = stream_layers
         self._held: list[_Item] = []
+        # per request, for traces: KV bytes queued this step (and when the step began saving),
+        # (bytes, seconds) of the steps whose saves ended, and of the loads that ended
+        self._step_saves: dict[str, int] = {}
+        self._save_started: float | None = None
+        self._saved: dict[str, tuple[int, float]] = {}
+        self._req_loads: dict[str, tuple[int, float]] = {}
         self.timings = WorkerTimings()
         self._stats = KVTransferStats()
         self._stats_lock = threading.Lock()  # loader, layer loader and sender threads update it
@@ -139,8 +145,11 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
         items = []
         world = self.shards.world
+        if self._save_started is None:
+            self._save_started = time.perf_counter()
         for spec in self._meta.saves:
             blocks = spec.block_ids[self.layer_group[layer]]
+            saved = self._step_saves.get(spec.req_id, 0)
             for chunk, start, end in spec.chunks:
                 chunk_key = spec.chunk_keys[chunk]
                 for rank, caches in enumerate(self.rank_caches):  # each rank's head shard
@@ -149,6 +158,8 @@ class KVStoreConnectorWorker(KVConnectorWorker):
                     key = rank_key(chunk_key, world, rank) if world > 1 else chunk_key
                     items.append((f"{key}@{layer}", meta, data.view(torch.uint8).numpy(),
                                   _digest(spec.token_digests, chunk)))
+                    saved += data.numel() * data.element_size()
+            self._step_saves[spec.req_id] = saved
         if not self.stream_layers:
             self._held.extend(items)
             return
@@ -206,6 +217,12 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             logger.warning("KV saves still under way after %.1f s; the step goes on", self.save_wait_s)
         if busy:
             self.timings.save_waits.append(time.perf_counter() - start)
+        if self._save_started is not None:  # the step's saves, first layer queued -> all sent
+            seconds = time.perf_counter() - self._save_started
+            for req_id, nbytes in self._step_saves.items():
+                self._saved[req_id] = (nbytes, seconds)
+            self._step_saves.clear()
+            self._save_started = None
 
     # --- loads ----------------------------------------------------------------------------
     def set_wakeup(self, wakeup: Callable[[], None]) -> None:
@@ -326,6 +343,9 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
+        out.save_stats, self._saved = self._saved, {}
+        with self._stats_lock:
+            out.load_stats, self._req_loads = self._req_loads, {}
         self._layerwise.collect(out)  # a step without a forward too
         for req_id, (spec, fut) in list(self._loads.items()):
             if not fut.done():
@@ -343,6 +363,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         self.timings.record_load(spec.req_id, seconds)
         failed = state.error is not None or state.valid < spec.end
         with self._stats_lock:
+            self._req_loads[spec.req_id] = (state.nbytes, seconds)
             self._stats.load_seconds.observe(seconds)
             self._stats.load_bytes += state.nbytes
             self._stats.load_failures += failed

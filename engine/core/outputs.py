@@ -84,6 +84,14 @@ class RequestTimes:
     num_preemptions: int = 0
     last_token_time: float = 0.0  # of the last step that gave it tokens
     num_generated_tokens: int = 0  # by this engine (not outputs it was given to continue from)
+    # KV moved by a connector for it: loaded (bytes, seconds of the load), saved (bytes, and the
+    # seconds its steps' saves were in flight, first layer queued to the last sent)
+    kv_load_bytes: int = 0
+    kv_load_seconds: float = 0.0
+    kv_save_bytes: int = 0
+    kv_save_seconds: float = 0.0
+    kv_load_end_time: float = 0.0  # when the engine learned the load ended (time.time())
+    kv_save_end_time: float = 0.0  # ... its last step's saves ended
 
 
 @dataclass

@@ -156,6 +156,17 @@ class KVLoads:
         if output is None or self.connector is None:
             return
         self.connector.update_connector_output(output)
+        now = time.time()
+        for req_id, (nbytes, seconds) in output.load_stats.items():
+            if (loading := self.requests.get(req_id)) is not None:
+                loading.times.kv_load_bytes += nbytes
+                loading.times.kv_load_seconds += seconds
+                loading.times.kv_load_end_time = now
+        for req_id, (nbytes, seconds) in output.save_stats.items():
+            if (saving := self.requests.get(req_id)) is not None:
+                saving.times.kv_save_bytes += nbytes
+                saving.times.kv_save_seconds += seconds
+                saving.times.kv_save_end_time = now
         for req_id in output.finished_recving & self._loading_in_step:
             self._loading_in_step.discard(req_id)
             request = self.requests.get(req_id)

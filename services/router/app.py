@@ -26,6 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from services import tracing
 from services.procs import instance_id
 from services.router.api.tools import chat_template_text
 from services.router.config import DEFAULT_MAX_MODEL_LEN, RouterConfig
@@ -42,6 +43,7 @@ from services.router.http.openai_routes import openai_routes
 from services.router.http.other_endpoints import endpoints_router
 from services.router.http.tenants import ApiKeyAuth
 from services.router.http.tokens_api import tokens_router
+from services.router.http.trace_requests import TraceRequests
 from services.router.metrics import RouterMetrics
 from services.router.responses.routes import responses_routes
 from services.router.responses.store import ResponseStore
@@ -135,6 +137,9 @@ def create_app(config: RouterConfig) -> FastAPI:
     app.add_middleware(ApiKeyAuth, keys=config.api_keys, tenants=config.tenant_cache_salt,
                        admin_keys=config.admin_keys)
     app.add_middleware(BodyLimit, max_bytes=config.max_body_bytes)
+    tracer = tracing.tracer()
+    if tracer is not None:  # outermost: the request's root span covers all of it
+        app.add_middleware(TraceRequests, tracer=tracer)
     return app
 
 

@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.sampling_params import SamplingParams
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
+from services import tracing
 from services.worker.auth import WorkerAccess
 from services.worker.convert import (
     MESSAGE_SIZE_OPTIONS,
@@ -249,7 +250,7 @@ class WorkerClient:
         return PrefillCall(self.target, self._prefill(pb.PrefillRequest(
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
             transfer_id=transfer_id, priority=priority, cache_salt=cache_salt), timeout=timeout_s,
-            metadata=self._metadata))
+            metadata=(*self._metadata, *tracing.outgoing_metadata())))
 
     def start_decode(self, request_id: str, token_ids: Sequence[int], params: SamplingParams,
                      kv_transfer_params: dict[str, Any] | None = None,
@@ -265,7 +266,7 @@ class WorkerClient:
             request_id=request_id, token_ids=token_ids, params=params_to_proto(params),
             kv_transfer=kv_params_to_proto(kv_transfer_params), num_output_tokens=num_output_tokens,
             priority=priority, cache_salt=cache_salt, await_first_token=await_first_token),
-            timeout=timeout_s, metadata=self._metadata)
+            timeout=timeout_s, metadata=(*self._metadata, *tracing.outgoing_metadata()))
         return DecodeCall(self.target, call, announce)
 
     async def first_token(self, request_id: str, token_id: int,

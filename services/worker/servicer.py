@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, NoReturn, TypeVar
 
@@ -30,7 +31,9 @@ from engine.processor import PromptType
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from protos import worker_pb2 as pb
 from protos import worker_pb2_grpc as pb_grpc
+from services import tracing
 from services.procs import instance_id
+from services.worker import trace_spans
 from services.worker.convert import (
     chunk_from_output,
     kv_params_from_proto,
@@ -98,9 +101,17 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         ids, params = await _parse(context, parse)
         final: RequestOutput | None = None
-        async for out in self._generate(context, request.request_id, ids, params, request.priority,
-                                        cache_salt=request.cache_salt):
-            final = out
+        started, error = time.time(), None
+        try:
+            async for out in self._generate(context, request.request_id, ids, params, request.priority,
+                                            cache_salt=request.cache_salt):
+                final = out
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            if tracing.tracer() is not None:
+                self._trace("prefill", context, started, request.request_id, final, error, len(ids))
         assert final is not None and final.finished
         sample = final.outputs[0]
         if not sample.token_ids:  # aborted before its first token (Abort, or a KV store failure)
@@ -150,6 +161,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         ids, params = await _parse(context, parse)
         completion_tokens = 0
         early = request.await_first_token
+        started, error, final = time.time(), None, None
         outputs = self._generate(context, request.request_id, ids, params, request.priority,
                                  request.num_output_tokens, request.cache_salt,
                                  (ids, request.cache_salt) if early else None)
@@ -165,12 +177,31 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     continue
                 chunk = chunk_from_output(sample, out.prompt_logprobs)
                 if out.finished:
+                    final = out
                     chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                                                   cached_tokens=out.num_cached_tokens or 0))
                 yield chunk
+        except BaseException as e:
+            error = f"{type(e).__name__}: {e}"
+            raise
         finally:
             if early:
                 self._awaiting.pop(request.request_id, None)
+            if tracing.tracer() is not None:
+                self._trace("decode", context, started, request.request_id, final, error, len(ids),
+                            kv_from_store=request.HasField("kv_transfer"))
+
+    def _trace(self, call: str, context: grpc.aio.ServicerContext, started: float, request_id: str,
+               final: RequestOutput | None, error: str | None, prompt_tokens: int,
+               **attributes: Any) -> None:
+        tracer = tracing.tracer()
+        if tracer is None:
+            return
+        parent = tracing.context_from_metadata(context.invocation_metadata())
+        trace_spans.record(tracer, self.role, call, parent, started, request_id,
+                           final.metrics if final is not None else None,
+                           error if final is None else None,
+                           {"gen_ai.usage.input_tokens": prompt_tokens, **attributes})
 
     async def FirstToken(self, request: pb.FirstTokenRequest, context: grpc.aio.ServicerContext
                          ) -> pb.FirstTokenResponse:

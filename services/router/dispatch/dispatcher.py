@@ -44,8 +44,10 @@ import uuid
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from dataclasses import replace
+from typing import Any
 
 from engine.sampling_params import SamplingParams
+from services.router.dispatch import trace_calls
 from services.router.dispatch.early import EarlyDecode, start_early
 from services.router.dispatch.inflight import Attempt, EndedByRouter, InFlight
 from services.router.dispatch.pool import Pick, WorkerPool, WorkerState, is_down
@@ -219,18 +221,25 @@ class Dispatcher:
             tried.add(worker.target)
             lease = self.prefill.acquire(worker, hashes, len(prompt_ids))
             done = False
+            span = trace_calls.start("prefill", worker.target, attempt=len(tried),
+                                     expected_cached_tokens=lease.matched_tokens,
+                                     prefix_index="events" if lease.exact else "approximate")
+            error: BaseException | None = None
+            found = 0
             try:
                 async with aclosing(self._prefill_on(worker, request_id, prompt_ids, params, priority,
-                                                     cache_salt, announce=not announced)) as items:
+                                                     cache_salt, not announced, span)) as items:
                     async for item in items:
                         announced = announced or isinstance(item, Step)
                         done = isinstance(item, PrefillResult)
                         if isinstance(item, PrefillResult):
+                            found = item.num_cached_tokens
                             self._on_decision("disaggregated")
                             self._on_prefix("prefill", lease.exact, lease.matched_tokens,
                                             item.num_cached_tokens)
                         yield item
             except WorkerError as e:
+                error = e
                 if e.kind == "invalid":
                     raise
                 self._on_prefill_failure(worker.target)
@@ -240,17 +249,20 @@ class Dispatcher:
                 continue
             finally:
                 self.prefill.release(lease, len(prompt_ids) if done else 0)
+                trace_calls.end(span, error, cached_tokens=found)
             if done:
                 return
         self._on_decision("fallback")
 
     async def _prefill_on(self, worker: WorkerState, request_id: str, prompt_ids: list[int],
-                          params: SamplingParams, priority: int, cache_salt: str, announce: bool
-                          ) -> AsyncGenerator[Step | PrefillResult, None]:
+                          params: SamplingParams, priority: int, cache_salt: str, announce: bool,
+                          span: Any = None) -> AsyncGenerator[Step | PrefillResult, None]:
         """One prefill attempt: an empty Step once accepted (with `announce`), then the result."""
-        call = worker.client.start_prefill(request_id, prompt_ids, params, transfer_id=uuid.uuid4().hex,
-                                           timeout_s=self.options.prefill_timeout_s, priority=priority,
-                                           cache_salt=cache_salt)
+        with trace_calls.current(span):  # (the call's metadata carries the attempt's span)
+            call = worker.client.start_prefill(request_id, prompt_ids, params,
+                                               transfer_id=uuid.uuid4().hex,
+                                               timeout_s=self.options.prefill_timeout_s,
+                                               priority=priority, cache_salt=cache_salt)
         attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=False))
         try:
             with _ended_by_router(attempt):
@@ -319,15 +331,22 @@ class Dispatcher:
         computes_prompt = early is None and sample.kv is None and not sample.generated
         if early is not None:
             lease = early.take_lease()
+            span = early.span
         else:
             lease = self.decode.acquire(worker, sample.hashes, len(sample.prompt_ids))
+            span = trace_calls.start("decode", worker.target, attempt=len(sample.failed) + 1,
+                                     migration=bool(sample.failed), computes_prompt=computes_prompt,
+                                     expected_cached_tokens=lease.matched_tokens,
+                                     prefix_index="events" if lease.exact else "approximate")
+        error: BaseException | None = None
         try:
             # prompt logprobs come from the call that computes the first token, once
             params = replace(sample.params, prompt_logprobs=None) if sample.generated else sample.params
-            call = early.call if early is not None else worker.client.start_decode(
-                rid, ids, params, sample.kv, timeout_s=remaining, announce=announce,
-                num_output_tokens=len(sample.generated), priority=sample.priority,
-                cache_salt=sample.cache_salt)
+            with trace_calls.current(span):
+                call = early.call if early is not None else worker.client.start_decode(
+                    rid, ids, params, sample.kv, timeout_s=remaining, announce=announce,
+                    num_output_tokens=len(sample.generated), priority=sample.priority,
+                    cache_salt=sample.cache_salt)
             attempt = self.inflight.add(Attempt(worker.target, call.cancel, watch_stall=True))
             try:
                 async with aclosing(call.chunks()) as chunks:
@@ -342,8 +361,7 @@ class Dispatcher:
                                     attempt.touch()
                                 continue
                             announce = False
-                            if computes_prompt:
-                                computes_prompt = False
+                            if computes_prompt and chunk.finish_reason:  # (usage comes last)
                                 self._on_prefix("decode", lease.exact, lease.matched_tokens,
                                                 chunk.cached_tokens)
                             sample.generated.extend(chunk.token_ids)
@@ -356,8 +374,13 @@ class Dispatcher:
                 raise WorkerError(worker.target, "unavailable", "the stream ended without a finish")
             finally:
                 self.inflight.discard(attempt)
+        except BaseException as e:
+            error = e
+            raise
         finally:
             self.decode.release(lease, len(sample.prompt_ids) + len(sample.generated))
+            trace_calls.end(span, error if isinstance(error, Exception) else None,
+                            generated_tokens=len(sample.generated))
 
     async def _migration_target(self, sample: _Sample) -> WorkerState:
         """A serving worker on which the sample has not failed (or one it failed on, once a load

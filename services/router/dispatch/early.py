@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from services.router.dispatch import trace_calls
 from services.router.dispatch.pool import WorkerPool, WorkerState
 from services.worker.client import DecodeCall, PrefillResult, WorkerError
 
@@ -27,6 +28,14 @@ class EarlyDecode:
     lease: Any
     released: bool = False
     fell_back: bool = False  # it failed before its first token: the plain hand-off ran instead
+    span: Any = None  # its trace span (dispatch/trace_calls.py), ended by the decode attempt
+
+    def end_span(self, why: str) -> None:
+        """The call will not be the decode attempt (dropped, or the plain hand-off runs)."""
+        if self.span is not None:
+            self.span.set_attribute("pdserve.dropped", why)
+            trace_calls.end(self.span)
+            self.span = None
 
     def take_lease(self) -> Any:
         """The lease, now the decode attempt's to release."""
@@ -39,6 +48,7 @@ class EarlyDecode:
         if not self.released:
             self.released = True
             self.pool.release(self.lease, 0)
+            self.end_span("dropped")
 
     async def hand_over(self, first: PrefillResult, accept_timeout_s: float, timeout_s: float) -> bool:
         """Gives the call the prefill's first token; False when it cannot take it (the call
@@ -77,8 +87,12 @@ def start_early(pool: WorkerPool, request_id: str, prompt_ids: list[int], params
     lease = pool.acquire(worker, hashes, len(prompt_ids))
     kv = {"do_remote_prefill": True, "keys": [], "num_tokens": len(prompt_ids), "transfer_id": rid,
           "tp_size": prefill_tp}
-    call = worker.client.start_decode(
-        rid, prompt_ids, replace(params, prompt_logprobs=None), kv,
-        timeout_s=timeout_s, priority=priority, cache_salt=cache_salt,
-        await_first_token=True)
-    return EarlyDecode(pool, worker, rid, call, lease)
+    span = trace_calls.start("decode", worker.target, attempt=1, early_handoff=True,
+                             expected_cached_tokens=lease.matched_tokens,
+                             prefix_index="events" if lease.exact else "approximate")
+    with trace_calls.current(span):
+        call = worker.client.start_decode(
+            rid, prompt_ids, replace(params, prompt_logprobs=None), kv,
+            timeout_s=timeout_s, priority=priority, cache_salt=cache_salt,
+            await_first_token=True)
+    return EarlyDecode(pool, worker, rid, call, lease, span=span)

@@ -22,6 +22,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Scope
 
+from services import tracing
 from services.router.api.openai_models import (
     MODELS_RESPONSES,
     OPENAI_RESPONSES,
@@ -45,7 +46,8 @@ async def execute(prepared: Prepared) -> JSONResponse | StreamingResponse:
     """Admission, then the samples dispatched and the response written."""
     reply = prepared.reply
     gen = reply.gen
-    admission = gen.admit()
+    with tracing.span("admission"):
+        admission = gen.admit()
     gen.metrics.prompt_tokens.inc(sum(reply.prompt_lens))
     deltas = gen.run(reply.request_id, prepared.prompts, prepared.options)
     if prepared.score_only:
@@ -70,11 +72,14 @@ def openai_routes(gen: Callable[[], Generator], limits: Callable[[], PoolLimits]
     async def run(prepare: Prepare, raw: bytes, scope: Scope | None) -> Response:
         g = gen()
         try:
-            if len(raw) <= g.config.inline_bytes:
-                prepared = prepare(g, raw, False)
-            else:
-                with limits().slot(caller(scope) if scope is not None else "", len(raw)):
-                    prepared = await g.in_pool(prepare, g, raw, True)
+            with tracing.span("tokenization") as span:  # (the body parsed, the prompt rendered too)
+                if len(raw) <= g.config.inline_bytes:
+                    prepared = prepare(g, raw, False)
+                else:
+                    with limits().slot(caller(scope) if scope is not None else "", len(raw)):
+                        prepared = await g.in_pool(prepare, g, raw, True)
+                if span is not None:
+                    span.set_attribute("gen_ai.usage.input_tokens", sum(prepared.reply.prompt_lens))
             return await execute(prepared)
         except OpenAIError as e:
             return e.response()
