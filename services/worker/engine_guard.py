@@ -60,6 +60,7 @@ class EngineGuard:
         self.engine: AsyncLLM | None = None
         self.reason = "the engine is starting"  # why it does not serve; "" while it does
         self.restarts: deque[float] = deque()
+        self.restart_count = 0  # engine restarts since the worker started (pdserve:engine_restarts)
         self.gave_up: str | None = None
 
     @property
@@ -123,6 +124,7 @@ class EngineGuard:
                 await self._set(f"gave up: {self.gave_up}")
                 raise EngineGaveUp(self.gave_up)
             self.restarts.append(now)
+            self.restart_count += 1
             try:
                 self.engine = await self._build()
             except Exception as e:  # counts against the budget like a crash

@@ -261,15 +261,28 @@ class WorkerMetrics:
     """One worker's registry: engine stats at scrape time, RPC counts; `start_http` serves it."""
 
     def __init__(self, model_name: str, role: str, stats: StatsSource, instance: str = "",
-                 cache_labels: dict[str, str] | None = None) -> None:
+                 cache_labels: dict[str, str] | None = None,
+                 restarts: Callable[[], int] | None = None) -> None:
         labels = {"model_name": model_name, "role": role, "instance": instance}
         self._labels = labels
         self.registry = CollectorRegistry()
         self.registry.register(EngineStatsCollector(labels, stats, cache_labels))
+        self.restarts = Counter("pdserve:engine_restarts", "Engine core restarts since the worker "
+                                "started (it failed, froze or stopped answering).", list(labels),
+                                registry=self.registry).labels(**labels)
+        self._restart_count = restarts or (lambda: 0)
+        self._counted_restarts = 0
         self.rpcs = Counter("pdserve:worker_rpcs", "Worker RPCs finished, by method and status code.",
                             [*labels, "method", "code"], registry=self.registry)
         self.interceptor = RpcCountingInterceptor(self.count_rpc)
         self._http: tuple[WSGIServer, threading.Thread] | None = None
+
+    def sync_restarts(self) -> None:
+        """Brings the restarts counter up to the guard's count (called at scrape time)."""
+        now = self._restart_count()
+        if now > self._counted_restarts:
+            self.restarts.inc(now - self._counted_restarts)
+            self._counted_restarts = now
 
     def count_rpc(self, method: str, code: grpc.StatusCode) -> None:
         self.rpcs.labels(**self._labels, method=method, code=code.name).inc()

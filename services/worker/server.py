@@ -71,7 +71,8 @@ class WorkerServer:
         self._guard_task: asyncio.Task[None] | None = None
         if o.metrics_port is not None:
             self.metrics = WorkerMetrics(o.model_name, o.role, self._stats_for_scrape, instance_id(),
-                                         cache_config_labels(o.engine))
+                                         cache_config_labels(o.engine),
+                                         restarts=lambda: self.guard.restart_count)
         what = f"{o.role} worker"
         checked = ((o.port, what),) if not o.reuse_port else ()
         for port, name in (*checked, (o.metrics_port, f"{what} metrics")):
@@ -149,6 +150,8 @@ class WorkerServer:
     def _stats_for_scrape(self) -> EngineStats | None:
         """Called in the metrics thread: the engine's stats (the snapshot Load shares), fetched
         on the event loop, or None when there is no engine or it does not answer."""
+        if self.metrics is not None:
+            self.metrics.sync_restarts()  # (collected after this source, in the same scrape)
         loop = self._loop
         if self.guard.engine is None or loop is None or loop.is_closed():
             return None

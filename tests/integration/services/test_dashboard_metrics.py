@@ -9,6 +9,8 @@ the router's per-request `n`."""
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvstore.service import KVStoreService
@@ -52,6 +55,8 @@ class Scraped:
     clients were told (usage)."""
 
     samples: list[Sample]
+    # every family exposed (the store's too), with the labels its samples carry (None: no samples)
+    families: dict[str, set[str] | None]
     prompt_tokens: list[int]  # per request, from usage
     completion_tokens: list[int]  # per request (all its samples), from usage
     samples_per_request: list[list[int]]  # each sample's completion tokens, per request
@@ -69,9 +74,25 @@ ROUTER = role_is("router")
 
 
 def scrape(url: str) -> list[Sample]:
-    text = httpx.get(url, timeout=10).text
+    return parse(httpx.get(url, timeout=10).text)
+
+
+def parse(text: str) -> list[Sample]:
     return [Sample(s.name, dict(s.labels), s.value)
             for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def families(texts: list[str]) -> dict[str, set[str] | None]:
+    """Family name -> the label names its samples carry; None for a family with no samples (a
+    labelled counter that has counted nothing yet)."""
+    out: dict[str, set[str] | None] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            labels = out.get(family.name)
+            for s in family.samples:
+                labels = (labels or set()) | set(s.labels)
+            out[family.name] = labels
+    return out
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -92,8 +113,10 @@ async def split(model_dir: Path, store: KVStoreService) -> AsyncIterator[Scraped
             bodies = [r.raise_for_status().json() for r in replies]
             urls = [f"{served.url}/metrics",
                     *(f"http://127.0.0.1:{w.metrics_port}/metrics" for w in workers.values())]
-            samples = [s for url in urls for s in await asyncio.to_thread(scrape, url)]
-        yield Scraped(samples, [b["usage"]["prompt_tokens"] for b in bodies],
+            texts = [(await asyncio.to_thread(httpx.get, url, timeout=10)).text for url in urls]
+            texts.append(generate_latest(store.server.metrics.registry).decode())
+            samples = [s for text in texts[:3] for s in parse(text)]
+        yield Scraped(samples, families(texts), [b["usage"]["prompt_tokens"] for b in bodies],
                       [b["usage"]["completion_tokens"] for b in bodies],
                       [[max_tokens] * n for _, n, max_tokens in TRAFFIC])
     finally:
@@ -177,3 +200,62 @@ async def test_request_histograms_observe_each_engine_request_and_the_router_eac
     assert split.total("vllm:request_params_n_sum", ROUTER) == sampled
     assert split.total("vllm:request_max_num_generation_tokens_sum", ROUTER) == sum(
         max(tokens) for tokens in split.samples_per_request)
+
+
+DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "observe" / "grafana" / "pdserve-dashboard.json"
+_METRIC = re.compile(r"\b((?:vllm|pdserve)[:_][A-Za-z0-9_:]*)(\{[^}]*\})?")
+_SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
+
+
+def _family(name: str, known: dict[str, set[str] | None]) -> str | None:
+    if name in known:
+        return name
+    for suffix in _SUFFIXES:
+        if name.endswith(suffix) and name.removesuffix(suffix) in known:
+            return name.removesuffix(suffix)
+    return None
+
+
+@in_module_loop
+async def test_the_shipped_dashboard_reads_only_metrics_and_labels_the_system_exposes(split: Scraped) -> None:
+    """Every query of deploy/observe/grafana/pdserve-dashboard.json (and its variable) names a
+    family the router, the workers or the store expose, and only labels those families carry
+    (checked where the family has samples after this traffic: a migration counter that counted
+    none yet has no labels to check)."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    exprs += [v["definition"] for v in dashboard["templating"]["list"] if v.get("definition")]
+    assert len(exprs) >= 25
+    known = split.families
+    used: set[str] = set()
+    unchecked: list[str] = []
+    for expr in exprs:
+        assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), expr
+        names = _METRIC.findall(expr)
+        assert names, expr
+        for name, selector in names:
+            family = _family(name, known)
+            assert family is not None, f"{name} is exposed by no component ({expr})"
+            used.add(family)
+            labels = known[family]
+            if labels is None:
+                continue
+            for label in re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", selector):
+                assert label in labels, f"{family} has no label {label} ({sorted(labels)}): {expr}"
+        named = [f for n, _ in names if (f := _family(n, known)) is not None]
+        if any(known[f] is None for f in named):
+            unchecked.append(expr)  # (a family with no samples yet: its labels are unknown)
+            continue
+        for group in re.findall(r"by \(([^)]*)\)", expr):
+            wanted = {g.strip() for g in group.split(",")} - {"le"}
+            carried = set().union(*(known[f] or set() for f in named))
+            assert wanted <= carried, f"by ({group}) names labels no family here carries: {expr}"
+    # the P/D panels the dashboard promises
+    for family in ("pdserve:handoff_seconds", "pdserve:kv_transfer_bytes", "pdserve:kv_transfer_seconds",
+                   "pdserve_kvstore_hits", "pdserve_kvstore_evictions", "pdserve:router_migrations",
+                   "pdserve:engine_restarts", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds",
+                   "vllm:request_queue_time_seconds", "pdserve:router_prefix_found_tokens"):
+        assert family in used, family
+    # only fault counters that counted nothing in this run go unchecked: migrations, failures,
+    # rejections
+    assert len(unchecked) <= 4, unchecked

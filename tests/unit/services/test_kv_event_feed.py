@@ -43,6 +43,16 @@ async def _until(cond: object, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _caught_up(feed: KVEventFeed, published: int, timeout_s: float = 5.0) -> None:
+    """As the pool does on each load report: says how many batches were published until the
+    feed has them all (a batch sent before its SUB socket joined comes back by replay)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while feed.index.last_seq + 1 < published:
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        feed.reported(published)
+        await asyncio.sleep(0.1)
+
+
 async def test_a_feed_joining_mid_stream_replays_from_the_start_and_tracks_the_cache() -> None:
     pub, replay = free_port(), free_port()
     publisher = _publisher(pub, replay)
@@ -54,7 +64,7 @@ async def test_a_feed_joining_mid_stream_replays_from_the_start_and_tracks_the_c
         feed.start()
         await asyncio.sleep(0.3)  # (the SUB socket connects)
         publisher.publish([BlockRemoved(block_hashes=[_h(3)], medium="CPU"), _stored(4)])
-        await _until(lambda: feed.index.last_seq == 2)
+        await _caught_up(feed, 3)
         assert feed.index.exact
         assert feed.index.blocks == {_h(1), _h(2), _h(4)}
         assert feed.index.match([_h(1), _h(2), _h(3)], BS) == 2 * BS
@@ -71,7 +81,7 @@ async def test_a_lost_last_batch_is_fetched_once_a_report_shows_it() -> None:
         feed.start()
         await asyncio.sleep(0.3)
         publisher.publish([AllBlocksCleared()])
-        await _until(lambda: feed.index.last_seq == 0)
+        await _caught_up(feed, 1)
         # the feed misses seq 1 (as if the PUB socket dropped it): close its subscription
         await feed.close()
         publisher.publish([_stored(7)])
@@ -98,14 +108,17 @@ async def test_an_engine_restart_starts_the_index_over() -> None:
         await asyncio.sleep(0.3)
         for batch in ([AllBlocksCleared()], [_stored(1)], [_stored(2)], [_stored(3)]):
             publisher.publish(batch)
-        await _until(lambda: feed.index.last_seq == 3)
+        await _caught_up(feed, 4)
         publisher.shutdown()
         publisher = _publisher(pub, replay)  # the engine restarted: sequences from 0 again
-        await asyncio.sleep(0.5)  # (the SUB socket reconnects)
         publisher.publish([AllBlocksCleared()])
-        publisher.publish([_stored(9)])
-        await _until(lambda: feed.index.blocks == {_h(9)})
-        assert feed.index.exact and feed.index.last_seq == 1
+        for _ in range(40):  # until the SUB socket has reconnected and seen one
+            publisher.publish([_stored(9)])
+            await asyncio.sleep(0.25)
+            if feed.index.blocks == {_h(9)}:
+                break
+        assert feed.index.blocks == {_h(9)}
+        assert feed.index.exact
     finally:
         await feed.close()
         publisher.shutdown()
@@ -128,7 +141,8 @@ async def test_the_pool_scores_on_events_and_falls_back_without_them() -> None:
         await asyncio.sleep(0.3)
         publisher.publish([AllBlocksCleared()])
         publisher.publish([_stored(1, 2)])
-        await _until(lambda: a.feed is not None and a.feed.index.last_seq == 1)
+        assert a.feed is not None
+        await _caught_up(a.feed, 2)
         hashes = [_h(1), _h(2), _h(5)]
         # b was sent this prompt (approximate: it likely holds it); a's events say a holds it
         pool.acquire(b, hashes)
@@ -136,7 +150,8 @@ async def test_the_pool_scores_on_events_and_falls_back_without_them() -> None:
         assert not b.exact and b.match(hashes, BS) == 3 * BS
         # a evicts it: its events say so at once, where an approximate index would not know
         publisher.publish([BlockRemoved(block_hashes=[_h(1)], medium="CPU")])
-        await _until(lambda: a.match(hashes, BS) == 0)
+        await _caught_up(a.feed, 3)
+        assert a.match(hashes, BS) == 0
         pool._set_unhealthy(a, "test", down=True)  # unhealthy: back to the approximate index
         assert not a.exact
     finally:
