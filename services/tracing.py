@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -85,15 +85,15 @@ def tracer() -> Tracer | None:
     return _tracer
 
 
-@contextlib.contextmanager
-def span(name: str) -> Iterator[Any]:
-    """A child span of the current one around a block (yields None when tracing is off). Not
-    across a yield of an async generator."""
+OFF: contextlib.nullcontext[None] = contextlib.nullcontext()
+
+
+def span(name: str) -> contextlib.AbstractContextManager[Any]:
+    """A child span of the current one around a block (None when tracing is off: a shared
+    no-op context). Not across a yield of an async generator."""
     if _tracer is None:
-        yield None
-        return
-    with _tracer.start_as_current_span(name) as current:
-        yield current
+        return OFF
+    return _tracer.start_as_current_span(name)
 
 
 def shutdown() -> None:

@@ -6,7 +6,6 @@ when tracing is off."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from services import tracing
@@ -23,17 +22,14 @@ def start(call: str, worker: str, **attributes: Any) -> Any:
     return tracer.start_span(call, kind=SpanKind.CLIENT, attributes=attrs)
 
 
-@contextlib.contextmanager
-def current(span: Any) -> Iterator[None]:
+def current(span: Any) -> contextlib.AbstractContextManager[Any]:
     """`span` current for a synchronous block (the call's start: its metadata takes the span's
     context). Never across a yield: async generators must not hold a context."""
     if span is None:
-        yield
-        return
+        return tracing.OFF
     from opentelemetry.trace import use_span
 
-    with use_span(span, end_on_exit=False):
-        yield
+    return use_span(span, end_on_exit=False)
 
 
 def end(span: Any, error: BaseException | None = None, **attributes: Any) -> None:

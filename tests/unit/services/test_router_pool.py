@@ -71,9 +71,10 @@ async def test_prefix_aware_weighs_the_cached_prefix_against_the_work_a_worker_h
     try:
         w2.prefix.insert(hashes)
         pick = pool.pick(hashes, prompt_tokens=64)
-        assert pick is not None and (pick.worker, pick.matched_tokens) == (w2, 64)
-        # Worker 2 holds 48 tokens of KV (cost 0 + 48) < worker 1 computing 64: still worker 2.
-        w2.load = report(0, 1, used_blocks=3)
+        # 48: the engine computes a prompt's last token, so a whole-block prompt hits a block less
+        assert pick is not None and (pick.worker, pick.matched_tokens) == (w2, 48)
+        # Worker 2 holds 32 tokens of KV (cost 16 + 32) < worker 1 computing 64: still worker 2.
+        w2.load = report(0, 1, used_blocks=2)
         assert (p := pool.pick(hashes, prompt_tokens=64)) is not None and p.worker is w2
         # 80 tokens held: more than the prefix saves; the idle worker gets the request.
         w2.load = report(0, 1, used_blocks=5)
