@@ -3,6 +3,8 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import pytest
+
 from engine.core.kv_cache_manager import (
     NONE_HASH,
     KVCacheManager,
@@ -154,3 +156,23 @@ def test_stats_count_queried_and_hit_tokens_of_recorded_lookups_only() -> None:
     off = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False)
     off.record_lookup(b, 0)
     assert (off.stats.queries, off.stats.hits) == (0, 0)  # no prefix cache, no queries (as vLLM)
+
+
+@pytest.mark.parametrize("salt", [None, "", "tenant-a"])
+def test_block_hashes_for_equals_the_block_by_block_chain(salt: str | None) -> None:
+    """The packed-in-one-call chain (what the router hashes prompts with) gives the digests of
+    `hash_block_tokens` block by block (what the engine's requests keep)."""
+    import random
+
+    from engine.core.kv_cache_manager import NONE_HASH, block_hashes_for, hash_block_tokens
+
+    rng = random.Random(7)
+    for n in (0, 3, 16, 17, 100, 1030):
+        ids = [rng.randrange(0, 250_000) for _ in range(n)]
+        for bs in (1, 4, 16):
+            parent, want = NONE_HASH, []
+            for start in range(0, n - bs + 1, bs):
+                parent = hash_block_tokens(parent, ids[start:start + bs],
+                                           cache_salt=salt if start == 0 else None)
+                want.append(parent)
+            assert block_hashes_for(ids, bs, cache_salt=salt) == want
