@@ -241,3 +241,21 @@ def test_bench_spec_compares_plain_and_speculative_decoding_in_one_table(
     for r in rows:
         assert float(r[3]) > 0 and r[7] == "2/2"  # speculation never changes greedy tokens
         assert (r[8] == "-") == (r[2] == "none")
+
+
+@pytest.mark.slow  # ~60 s: two workers and two routers as processes
+def test_bench_prefix_routing_compares_both_indexes_in_one_table(
+        tiny_model_json_vocab: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_prefix_routing
+
+    argv = ["--model", str(tiny_model_json_vocab), "--workers", "2", "--routers", "1",
+            "--conversations", "2", "--turns", "2", "--system-words", "20", "--user-words", "8",
+            "--output-len", "4", "--num-kv-blocks", "64", "--max-model-len", "256", "--repeats", "1"]
+    assert bench_prefix_routing.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in out.splitlines()
+            if line.startswith(("| events", "| approximate"))]
+    assert [r[0] for r in rows] == ["events", "approximate"]
+    for r in rows:
+        assert r[1] == "4" and 0.0 <= float(r[2]) <= 1.0  # 2 conversations x 2 turns each
+    assert rows[0][8] == "-" and rows[1][7] == "-"  # each router chose on its own index only
