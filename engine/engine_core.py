@@ -321,7 +321,7 @@ class EngineCore:
             return {}
         return dict(kv_events_published=events.next_seq, kv_events_endpoint=events.endpoint,
                     kv_events_replay_endpoint=events.replay_endpoint,
-                    kv_events_topic=events.config.topic)
+                    kv_events_topic=events.config.topic, kv_events_epoch=events.epoch)
 
     def _flush_kv_events(self) -> None:
         recorder = self.kv_cache_manager.block_pool.recorder

@@ -244,7 +244,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("num_waiting", "num_running", "kv_usage", "role", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_cached_blocks", "num_prompt_tokens", "busy_seconds", "serving", "not_serving_reason", "instance_id", "max_model_len", "block_layer_share", "tensor_parallel_size", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_events_published")
+    __slots__ = ("num_waiting", "num_running", "kv_usage", "role", "num_free_blocks", "num_total_blocks", "prefix_cache_queries", "prefix_cache_hits", "num_cached_blocks", "num_prompt_tokens", "busy_seconds", "serving", "not_serving_reason", "instance_id", "max_model_len", "block_layer_share", "tensor_parallel_size", "kv_events_endpoint", "kv_events_replay_endpoint", "kv_events_topic", "kv_events_published", "kv_events_epoch")
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,7 @@ class LoadReport(_message.Message):
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_PUBLISHED_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_EPOCH_FIELD_NUMBER: _ClassVar[int]
     num_waiting: int
     num_running: int
     kv_usage: float
@@ -287,4 +288,5 @@ class LoadReport(_message.Message):
     kv_events_replay_endpoint: str
     kv_events_topic: str
     kv_events_published: int
-    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., role: _Optional[_Union[Role, str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_layer_share: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., kv_events_published: _Optional[int] = ...) -> None: ...
+    kv_events_epoch: str
+    def __init__(self, num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., kv_usage: _Optional[float] = ..., role: _Optional[_Union[Role, str]] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., busy_seconds: _Optional[float] = ..., serving: _Optional[bool] = ..., not_serving_reason: _Optional[str] = ..., instance_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_layer_share: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ..., kv_events_published: _Optional[int] = ..., kv_events_epoch: _Optional[str] = ...) -> None: ...

@@ -60,7 +60,8 @@ def setup(service_name: str, explicit_endpoint: str | None = None) -> Tracer | N
     if protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+        # TLS or not: the SDK's rule (OTEL_EXPORTER_OTLP_*INSECURE, else an http:// scheme)
+        exporter = OTLPSpanExporter(endpoint=endpoint)
     elif protocol in ("http/protobuf", "http"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
             OTLPSpanExporter as HTTPSpanExporter,

@@ -344,8 +344,6 @@ class KVStoreConnectorWorker(KVConnectorWorker):
     def get_finished(self, finished_req_ids: set[str]) -> KVConnectorOutput:
         out = KVConnectorOutput()
         out.save_stats, self._saved = self._saved, {}
-        with self._stats_lock:
-            out.load_stats, self._req_loads = self._req_loads, {}
         self._layerwise.collect(out)  # a step without a forward too
         for req_id, (spec, fut) in list(self._loads.items()):
             if not fut.done():
@@ -356,6 +354,8 @@ class KVStoreConnectorWorker(KVConnectorWorker):
             if valid < spec.end or error is not None:
                 out.valid_loaded_tokens[req_id] = valid
                 out.load_errors[req_id] = error or "incomplete load"
+        with self._stats_lock:  # last: every load found done above has been recorded
+            out.load_stats, self._req_loads = self._req_loads, {}
         return out
 
     # --- stats ----------------------------------------------------------------------------

@@ -330,6 +330,7 @@ class EngineStats:
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""
+    kv_events_epoch: str = ""  # the publisher's id (new at every engine start)
 
 
 @dataclass

@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 
 import msgspec
@@ -37,7 +38,8 @@ class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
         self.config = config
         self._rank = data_parallel_rank
-        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(
+            maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._topic = config.topic.encode()
         self._ctx = zmq.Context()
@@ -53,6 +55,8 @@ class ZmqEventPublisher:
             if config.replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
+                # a whole buffer and its end marker in one reply (the default 1,000 would drop)
+                self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 2)
                 self._replay.bind(config.replay_endpoint)
             # where a subscriber finds them ("" when connecting out): a port given as "*" is
             # the one the system chose
@@ -62,8 +66,9 @@ class ZmqEventPublisher:
             self._close_sockets()
             raise OSError(f"kv_events_config: cannot open {e.strerror.lower()}: "
                           f"{config.endpoint} / {config.replay_endpoint}") from None
-        self.next_seq = 0
-        self.dropped = 0  # batches the full queue refused (the subscriber sees the gap)
+        self.epoch = uuid.uuid4().hex  # this publisher's: its sequence numbers start at 0
+        self.next_seq = 0  # numbered when published: a batch the full queue refused is a gap
+        self.dropped = 0  # batches the full queue refused
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
@@ -72,9 +77,10 @@ class ZmqEventPublisher:
         """Queues one batch (a step's events); never blocks the engine."""
         if not events or not self._running:
             return
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
         try:
-            self._queue.put_nowait(KVEventBatch(ts=time.time(), events=events,
-                                                data_parallel_rank=self._rank))
+            self._queue.put_nowait((seq, KVEventBatch(ts=time.time(), events=events,
+                                                      data_parallel_rank=self._rank)))
         except queue.Full:
             self.dropped += 1
 
@@ -105,17 +111,16 @@ class ZmqEventPublisher:
                 except zmq.ZMQError as e:
                     logger.warning("kv events: replay request failed: %s", e)
             try:
-                batch = self._queue.get(timeout=0.05)
+                item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if batch is None:
+            if item is None:
                 return
+            seq, batch = item
+            payload = encoder.encode(batch)
+            self._buffer.append((seq, payload))  # (replayable even when the send fails)
             try:
-                payload = encoder.encode(batch)
-                seq = self.next_seq.to_bytes(8, "big")
-                self._pub.send_multipart((self._topic, seq, payload))
-                self._buffer.append((self.next_seq, payload))
-                self.next_seq += 1
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
             except zmq.ZMQError as e:  # (a full PUB queue drops silently; this is a closed socket)
                 logger.warning("kv events: publishing failed: %s", e)
                 time.sleep(0.1)

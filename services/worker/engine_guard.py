@@ -124,9 +124,9 @@ class EngineGuard:
                 await self._set(f"gave up: {self.gave_up}")
                 raise EngineGaveUp(self.gave_up)
             self.restarts.append(now)
-            self.restart_count += 1
             try:
                 self.engine = await self._build()
+                self.restart_count += 1  # (a restart that built an engine)
             except Exception as e:  # counts against the budget like a crash
                 logger.error("engine restart failed: %r; retrying in %.0f s", e, delay)
                 problem = f"engine restart failed: {e}"

@@ -272,6 +272,7 @@ class WorkerMetrics:
                                 registry=self.registry).labels(**labels)
         self._restart_count = restarts or (lambda: 0)
         self._counted_restarts = 0
+        self._restarts_lock = threading.Lock()  # (scrapes run in the HTTP server's threads)
         self.rpcs = Counter("pdserve:worker_rpcs", "Worker RPCs finished, by method and status code.",
                             [*labels, "method", "code"], registry=self.registry)
         self.interceptor = RpcCountingInterceptor(self.count_rpc)
@@ -279,10 +280,11 @@ class WorkerMetrics:
 
     def sync_restarts(self) -> None:
         """Brings the restarts counter up to the guard's count (called at scrape time)."""
-        now = self._restart_count()
-        if now > self._counted_restarts:
-            self.restarts.inc(now - self._counted_restarts)
-            self._counted_restarts = now
+        with self._restarts_lock:
+            now = self._restart_count()
+            if now > self._counted_restarts:
+                self.restarts.inc(now - self._counted_restarts)
+                self._counted_restarts = now
 
     def count_rpc(self, method: str, code: grpc.StatusCode) -> None:
         self.rpcs.labels(**self._labels, method=method, code=code.name).inc()

@@ -111,6 +111,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             raise
         finally:
             if tracing.tracer() is not None:
+                if error is None and (final is None or not final.outputs or not final.outputs[0].token_ids):
+                    error = "ended before its first token"
                 self._trace("prefill", context, started, request.request_id, final, error, len(ids))
         assert final is not None and final.finished
         sample = final.outputs[0]
@@ -199,8 +201,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return
         parent = tracing.context_from_metadata(context.invocation_metadata())
         trace_spans.record(tracer, self.role, call, parent, started, request_id,
-                           final.metrics if final is not None else None,
-                           error if final is None else None,
+                           final.metrics if final is not None else None, error,
                            {"gen_ai.usage.input_tokens": prompt_tokens, **attributes})
 
     async def FirstToken(self, request: pb.FirstTokenRequest, context: grpc.aio.ServicerContext
@@ -269,7 +270,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 kv_events_published=stats.kv_events_published,
                 kv_events_endpoint=stats.kv_events_endpoint,
                 kv_events_replay_endpoint=stats.kv_events_replay_endpoint,
-                kv_events_topic=stats.kv_events_topic))
+                kv_events_topic=stats.kv_events_topic, kv_events_epoch=stats.kv_events_epoch))
         return report
 
     async def snapshot(self, wait_s: float) -> EngineStats | None:

@@ -6,13 +6,15 @@ worker's topic) and keeps the set of block hashes the worker's cache can hit: Bl
 BlockRemoved takes away, AllBlocksCleared empties (the first batch of every engine start says
 so). Sequence numbers must run without gaps:
 - a gap (a batch lost, or the first batch seen after joining mid-stream) is filled from the
-  worker's replay socket (a DEALER asks from the first missing sequence);
-- a sequence at or below the last one seen means the engine restarted: the index starts over;
+  worker's replay socket (a DEALER asks from the first missing sequence); a batch the SUB
+  socket delivers after a replay already applied it is skipped;
+- the engine restarted (its publisher numbers from 0 again) when the SUB stream's sequence
+  goes back, or when a load report names another publisher epoch: the index starts over;
 - the load report says how many batches the worker has published, so a lost last batch (no
   later one to show the gap) is asked for too once a report has seen it published earlier.
 The index is usable (`exact`) only while it has every batch since an AllBlocksCleared and is
-not behind a report; otherwise (no stream yet, a replay that could not fill a gap, the worker
-unhealthy or restarted) the pool scores the worker with its approximate index.
+not behind a report; otherwise (no stream yet, a replay that could not fill a gap, a restart
+not caught up yet) the pool scores the worker with its approximate index.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class KVEventFeed:
         self._lock = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._catching_up: asyncio.Task[None] | None = None
+        self._sub_seq = -1  # the last sequence the SUB socket delivered
+        self.epoch = ""  # the publisher's, from the load reports
 
     def start(self) -> None:
         if self._task is None:
@@ -105,11 +109,18 @@ class KVEventFeed:
                     await task
         self._task = self._catching_up = None
 
-    def reported(self, published: int) -> None:
-        """A load report says the worker has published `published` batches. Still behind a count
-        an earlier report gave: the last ones were lost (no later batch shows the gap), so they
-        are asked for."""
+    def reported(self, published: int, epoch: str = "") -> None:
+        """A load report says the worker's publisher (`epoch`) has published `published`
+        batches. Another epoch: the engine restarted, the index starts over. Still behind a
+        count an earlier report gave: the last ones were lost (no later batch shows the gap), so
+        they are asked for."""
         index = self.index
+        if epoch != self.epoch:
+            if self.epoch:
+                logger.warning("kv events from %s: a new publisher (its engine restarted)", self.name)
+                index.reset()
+                self._sub_seq = -1
+            self.epoch = epoch
         if published <= index.last_seq + 1:
             index.behind_since = None
         elif index.behind_since is None:
@@ -121,6 +132,9 @@ class KVEventFeed:
         try:
             async with self._lock:
                 await self._replay_from(self.index.last_seq + 1, None)
+        except Exception as e:  # (zmq errors: the next report asks again)
+            logger.warning("kv events from %s: catching up failed: %s", self.name, e)
+            self.index.complete = False
         finally:
             self._catching_up = None
 
@@ -135,16 +149,23 @@ class KVEventFeed:
                 if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 async with self._lock:
-                    await self._on_batch(int.from_bytes(frames[1], "big"), frames[2])
+                    try:
+                        await self._on_batch(int.from_bytes(frames[1], "big"), frames[2])
+                    except Exception as e:  # the feed goes on; the index is not exact now
+                        logger.warning("kv events from %s: %s", self.name, e)
+                        self.index.complete = False
         finally:
             sub.close(linger=0)
 
     async def _on_batch(self, seq: int, payload: bytes) -> None:
         index = self.index
-        if seq <= index.last_seq:
+        if seq <= self._sub_seq:
             logger.warning("kv events from %s start over at %d (was %d): its engine restarted",
-                           self.name, seq, index.last_seq)
+                           self.name, seq, self._sub_seq)
             index.reset()
+        self._sub_seq = seq
+        if seq <= index.last_seq:
+            return  # a replay applied it already
         if seq > index.last_seq + 1:
             await self._replay_from(index.last_seq + 1, seq)
             if index.last_seq + 1 != seq:
@@ -169,6 +190,7 @@ class KVEventFeed:
             return
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)  # (a replay may be thousands of batches)
         dealer.connect(self.replay_endpoint)
         try:
             await dealer.send_multipart((b"", first.to_bytes(8, "big")))

@@ -107,6 +107,7 @@ class WorkerPool:
         self._resolver = resolver or _getaddrinfo
         self._resolved_at = -math.inf
         self._refresher = Background(self._refresh_forever)
+        self._closes: set[asyncio.Task[None]] = set()
 
     # --- background refresh -------------------------------------------------------------------
     def start(self) -> None:
@@ -181,20 +182,30 @@ class WorkerPool:
             w.healthy, w.last_error = True, ""
 
     def _follow_events(self, w: WorkerState, load: pb.LoadReport) -> None:
-        """Subscribes to the worker's KV events where its report says it publishes them."""
-        if self.options.prefix_index != "events" or not load.kv_events_endpoint:
-            return
+        """Subscribes to the worker's KV events where its report says it publishes them (and
+        stops where it no longer does, or the worker left the pool while its report was on its
+        way)."""
+        wanted = (self.options.prefix_index == "events" and bool(load.kv_events_endpoint)
+                  and w in self.workers)
         endpoint = subscriber_address(load.kv_events_endpoint, w.target)
         replay = subscriber_address(load.kv_events_replay_endpoint, w.target)
         feed = w.feed
-        if feed is None or (feed.endpoint, feed.replay_endpoint, feed.topic) != (
-                endpoint, replay, load.kv_events_topic):
-            if feed is not None:
-                asyncio.get_running_loop().create_task(feed.close())
+        if feed is not None and (not wanted or (feed.endpoint, feed.replay_endpoint, feed.topic)
+                                 != (endpoint, replay, load.kv_events_topic)):
+            self._closing(feed)
+            feed = w.feed = None
+        if not wanted:
+            return
+        if feed is None:
             feed = w.feed = KVEventFeed(f"{self.role} worker {w.target}", endpoint, replay,
                                         load.kv_events_topic)
             feed.start()
-        feed.reported(int(load.kv_events_published))
+        feed.reported(int(load.kv_events_published), load.kv_events_epoch)
+
+    def _closing(self, feed: KVEventFeed) -> None:
+        task = asyncio.get_running_loop().create_task(feed.close())
+        self._closes.add(task)  # (held until done: the loop keeps only weak references)
+        task.add_done_callback(self._closes.discard)
 
     def mark_failed(self, w: WorkerState, error: BaseException) -> None:
         """A call to the worker failed in a way that says it is down (UNAVAILABLE, connection)."""

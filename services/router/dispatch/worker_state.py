@@ -53,10 +53,9 @@ class WorkerState:
         return self.prefix.match(hashes)
 
     def forget_cache(self) -> None:
-        """It restarted or went down: what was known of its cache is gone."""
+        """It restarted or went down: what the approximate index knew of its cache is gone (its
+        KV events say for themselves when its engine restarted: dispatch/kv_events.py)."""
         self.prefix.clear()
-        if self.feed is not None:
-            self.feed.index.reset()
 
     def held_tokens(self, block_size: int, prompt_tokens: int) -> int:
         """Work the worker holds, in tokens: its KV blocks in use, and a prompt's worth for each

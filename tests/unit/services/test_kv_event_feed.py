@@ -60,7 +60,7 @@ async def test_a_feed_joining_mid_stream_replays_from_the_start_and_tracks_the_c
     try:
         publisher.publish([AllBlocksCleared()])
         publisher.publish([_stored(1, 2, 3)])  # before the feed joins: replayed
-        await _until(lambda: publisher.next_seq == 2)
+        await _until(lambda: len(publisher._buffer) == 2)  # (sent)
         feed.start()
         await asyncio.sleep(0.3)  # (the SUB socket connects)
         publisher.publish([BlockRemoved(block_hashes=[_h(3)], medium="CPU"), _stored(4)])
@@ -85,7 +85,7 @@ async def test_a_lost_last_batch_is_fetched_once_a_report_shows_it() -> None:
         # the feed misses seq 1 (as if the PUB socket dropped it): close its subscription
         await feed.close()
         publisher.publish([_stored(7)])
-        await _until(lambda: publisher.next_seq == 2)
+        await _until(lambda: len(publisher._buffer) == 2)  # (sent)
         feed.start()
         await asyncio.sleep(0.3)
         feed.reported(2)  # a report: 2 published, the feed has 1: maybe still on its way
@@ -152,8 +152,11 @@ async def test_the_pool_scores_on_events_and_falls_back_without_them() -> None:
         publisher.publish([BlockRemoved(block_hashes=[_h(1)], medium="CPU")])
         await _caught_up(a.feed, 3)
         assert a.match(hashes, BS) == 0
-        pool._set_unhealthy(a, "test", down=True)  # unhealthy: back to the approximate index
-        assert not a.exact
+        # a report without events (its engine is down, or it stopped publishing): the feed goes,
+        # the approximate index scores it
+        pool._follow_events(a, pb.LoadReport(serving=False))
+        assert a.feed is None and not a.exact
+        await asyncio.sleep(0.1)  # (the old feed's close runs)
     finally:
         await pool.close()
         publisher.shutdown()
@@ -167,3 +170,38 @@ async def test_the_pool_scores_on_events_and_falls_back_without_them() -> None:
 ])
 def test_subscriber_address(reported: str, target: str, expected: str) -> None:
     assert subscriber_address(reported, target) == expected
+
+
+def _payload(*events: object) -> bytes:
+    import msgspec
+
+    from engine.kv_events.events import KVEventBatch
+
+    return msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=list(events)))
+
+
+async def test_a_batch_a_replay_applied_first_is_skipped_and_a_sequence_going_back_restarts() -> None:
+    """A catch-up may apply batches the SUB socket still holds: they arrive later as duplicates,
+    not as a restart. The SUB stream's own sequence going back is one."""
+    feed = KVEventFeed("w", "tcp://127.0.0.1:1", "", "kv-events")
+    await feed._on_batch(0, _payload(AllBlocksCleared()))
+    await feed._on_batch(1, _payload(_stored(1)))
+    for seq, event in ((2, _stored(2)), (3, _stored(3))):  # as a catch-up's replay applies them
+        feed._apply(seq, _payload(event))
+    await feed._on_batch(2, _payload(_stored(2)))  # the SUB socket's copies, late
+    await feed._on_batch(3, _payload(_stored(3)))
+    assert feed.index.exact and feed.index.blocks == {_h(1), _h(2), _h(3)}
+    assert feed.index.last_seq == 3
+    await feed._on_batch(0, _payload(AllBlocksCleared()))  # the engine restarted
+    assert feed.index.exact and feed.index.blocks == set() and feed.index.last_seq == 0
+
+
+async def test_a_report_naming_a_new_publisher_starts_the_index_over() -> None:
+    feed = KVEventFeed("w", "tcp://127.0.0.1:1", "", "kv-events")
+    feed.reported(0, "first")
+    await feed._on_batch(0, _payload(AllBlocksCleared()))
+    await feed._on_batch(1, _payload(_stored(1)))
+    feed.reported(2, "first")
+    assert feed.index.exact
+    feed.reported(5, "second")  # restarted, its first batches not seen yet
+    assert not feed.index.exact and feed.index.blocks == set() and feed.index.last_seq == -1
