@@ -30,7 +30,10 @@ class PdserveUp:
         liveness = [] if "--router-liveness-port" in extra else ["--router-liveness-port", str(live)]
         self.argv = [sys.executable, "-m", "services.cli", "up", "--model", model, "--port", str(self.port),
                      "--kvstore-port", str(store), "--prefill-port", str(self.prefill_port),
-                     "--decode-port", str(self.decode_port), *liveness, *extra]
+                     "--decode-port", str(self.decode_port), *liveness,
+                     # (events on gRPC port + 2000 could leave the test port range)
+                     *([] if "--kv-events-port-offset" in extra else ["--kv-events-port-offset", "0"]),
+                     *extra]
         if colocated:
             self.argv.append("--colocated")
         self.proc: subprocess.Popen[str] | None = None

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.procs import free_ports, stop_process
+from services.procs import free_ports, port_free, stop_process
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -119,10 +119,13 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
     from engine.sampling_params import SamplingParams
 
     model = tiny_model_dir("llama")
-    for _ in range(50):  # worker /metrics = gRPC port + offset: keep the prefill one valid too
+    for _ in range(200):  # worker /metrics = gRPC port + offset: keep the prefill one valid too;
+        # KV events on gRPC port + 2000 and + 3000: below 32768 and free too
         router, store, prefill, decode, metrics, liveness = free_ports(6)
         offset = metrics - decode  # the decode (or colocated) worker's /metrics lands on a free port
-        if 1024 <= prefill + offset <= 65535:
+        events = [p + k for p in (prefill, decode) for k in (2000, 3000)]
+        if 1024 <= prefill + offset <= 65535 and all(p <= 32767 and port_free("127.0.0.1", p)
+                                                     for p in events):
             break
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(router),
             "--kvstore-port", str(store), "--prefill-port", str(prefill), "--decode-port", str(decode),
@@ -149,6 +152,10 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
             if "pdserve is up" in lines[-1] or not lines[-1]:
                 break
         assert "pdserve is up" in lines[-1], lines
+        for _ in range(5):  # then where the metrics and the KV events are
+            lines.append(proc.stdout.readline())
+            if lines[-1].startswith("kv events:") or not lines[-1]:
+                break
         if not colocated:
             _check_credentials(proc.pid, tmp_path / "secrets", api_key, store, prefill)
         client = OpenAI(base_url=f"http://127.0.0.1:{router}/v1", api_key=api_key, timeout=60)
@@ -168,6 +175,10 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
         # the split's one sample handed off early (its decode call went out with its prefill)
         assert sum(float(h.split()[-1]) for h in handoffs) == (0 if colocated else 1), handoffs
         assert colocated or 'mode="early"' in handoffs[0], handoffs
+        # KV events on the ports `up` printed: the decode worker's replay gives its first batch
+        assert any(line.startswith("kv events: tcp://127.0.0.1 ports") and str(decode + 2000) in line
+                   for line in lines), lines
+        _check_kv_events_replay(decode + 3000)
         live = httpx.get(f"http://127.0.0.1:{liveness}/livez", timeout=10)  # off the router's loop
         assert live.status_code == 200 and live.json()["status"] == "alive"
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
@@ -188,3 +199,26 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
                 assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still open"
     finally:
         stop_process(proc)
+
+
+def _check_kv_events_replay(port: int) -> None:
+    """vLLM's replay request (8-byte big-endian start) on a worker's replay socket: the engine's
+    first batch, AllBlocksCleared, in vLLM's encoding, then the end marker."""
+    import msgspec
+    import zmq
+
+    from engine.kv_events.events import AllBlocksCleared, KVEventBatch
+
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{port}")
+        dealer.send_multipart((b"", (0).to_bytes(8, "big")))
+        assert dealer.poll(10_000)
+        _, seq, payload = dealer.recv_multipart()
+        assert int.from_bytes(seq, "big") == 0
+        batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(payload)
+        assert isinstance(batch.events[0], AllBlocksCleared)
+    finally:
+        dealer.close(linger=0)
+        ctx.term()

@@ -32,7 +32,8 @@ class Up:
                      "--port", str(self.router), "--kvstore-port", str(self.store),
                      "--prefill-port", str(self.prefill), "--decode-port", str(self.decode),
                      "--num-threads", "1", "--kv-cache-gib", "0.05", "--max-model-len", "512",
-                     "--metrics-port-offset", "0", "--startup-timeout-s", "180",
+                     "--metrics-port-offset", "0", "--kv-events-port-offset", "0",
+                     "--startup-timeout-s", "180",
                      "--router-liveness-port", str(self.liveness), *extra]
         self.proc = subprocess.Popen([*self.argv, "--state-file", str(self.state)], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=open(self.stderr_path, "wb"),  # noqa: SIM115

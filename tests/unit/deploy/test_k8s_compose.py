@@ -33,8 +33,7 @@ REDIS_NODES = ",".join(f"pdserve-redis-{i}.pdserve-redis:6379" for i in range(3)
 # What Kubernetes runs differently, by compose service: flag -> its value here (None: dropped).
 DIFFERENCES: dict[str, dict[str, str | None]] = {
     # the store's data on the Redis Cluster, through stateless front-ends (issue 21), scraped
-    "kvstore": {"--backend": "redis-cluster", "--redis-url": f"redis://{REDIS_NODES}",
-                "--metrics-port": "51071"},
+    "kvstore": {"--backend": "redis-cluster", "--redis-url": f"redis://{REDIS_NODES}"},
     # workers spread over every front-end of the headless Service
     "prefill": {"--kv-store-url": "dns:pdserve-kvstore:50071"},
     "decode": {"--kv-store-url": "dns:pdserve-kvstore:50071"},
