@@ -16,9 +16,10 @@ refused with its name.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from engine.json_config import json_object
 
 _KEYS = ("enable_kv_cache_events", "publisher", "endpoint", "replay_endpoint", "buffer_steps",
          "hwm", "max_queue_size", "topic", "bind")
@@ -76,17 +77,7 @@ class KVEventsConfig:
         """From vLLM's forms: a dict, its JSON text, or None (off)."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config: not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config: must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(_KEYS))
-        _check(not unknown, unknown[0] if unknown else "",
-               f"is not a key this engine reads (it reads {', '.join(_KEYS)})")
-        return cls(**value)
+        return cls(**json_object(value, "kv_events_config", _KEYS))
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

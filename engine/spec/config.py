@@ -20,9 +20,10 @@ nodes at most (shared substrings less): 256 requests of 500 tokens at depth 24, 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+from engine.json_config import json_object
 
 METHODS = ("ngram", "suffix", "draft_model")
 # vLLM's methods that need what this engine has not built yet (draft or EAGLE heads, MTP
@@ -98,17 +99,7 @@ class SpeculativeConfig:
         """From vLLM's forms: a dict, its JSON text, or None (off)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config: not valid JSON ({e})") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config: must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(_KEYS))
-        _check(not unknown, unknown[0] if unknown else "", f"is not a key this engine reads "
-               f"(it reads {', '.join(_KEYS)})")
-        fields = dict(value)
+        fields = json_object(value, "speculative_config", _KEYS)
         if fields.get("model") in (None, "ngram", "[ngram]"):  # vLLM's old spelling of ngram
             if fields.pop("model", None) is not None:
                 fields.setdefault("method", "ngram")
