@@ -50,6 +50,9 @@ from services.worker.options import WorkerRole
 
 _PROTO_ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE, "colocated": pb.ROLE_COLOCATED}
 logger = logging.getLogger(__name__)
+# the caller cancelled the call (or the server is stopping): not an error of the call (as in
+# OpenTelemetry's gRPC conventions, CANCELLED is no server error)
+_CANCELLED = (asyncio.CancelledError, GeneratorExit)
 T = TypeVar("T")
 LOAD_WAIT_S = 0.2  # how long Load waits for a fresh snapshot before answering with the last one
 FIRST_LOAD_WAIT_S = 5.0
@@ -101,19 +104,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
         ids, params = await _parse(context, parse)
         final: RequestOutput | None = None
-        started, error = time.time(), None
+        started, error, cancelled = time.time(), None, False
         try:
             async for out in self._generate(context, request.request_id, ids, params, request.priority,
                                             cache_salt=request.cache_salt):
                 final = out
+        except _CANCELLED:
+            cancelled = True
+            raise
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
             if tracing.tracer() is not None:
-                if error is None and (final is None or not final.outputs or not final.outputs[0].token_ids):
+                if error is None and not cancelled and (
+                        final is None or not final.outputs or not final.outputs[0].token_ids):
                     error = "ended before its first token"
-                self._trace("prefill", context, started, request.request_id, final, error, len(ids))
+                self._trace("prefill", context, started, request.request_id, final, error, len(ids),
+                            **{"pdserve.cancelled": cancelled})
         assert final is not None and final.finished
         sample = final.outputs[0]
         if not sample.token_ids:  # aborted before its first token (Abort, or a KV store failure)
@@ -163,7 +171,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         ids, params = await _parse(context, parse)
         completion_tokens = 0
         early = request.await_first_token
-        started, error, final = time.time(), None, None
+        started, error, final, cancelled = time.time(), None, None, False
         outputs = self._generate(context, request.request_id, ids, params, request.priority,
                                  request.num_output_tokens, request.cache_salt,
                                  (ids, request.cache_salt) if early else None)
@@ -183,6 +191,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                                                   cached_tokens=out.num_cached_tokens or 0))
                 yield chunk
+        except _CANCELLED:
+            cancelled = True
+            raise
         except BaseException as e:
             error = f"{type(e).__name__}: {e}"
             raise
@@ -191,7 +202,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self._awaiting.pop(request.request_id, None)
             if tracing.tracer() is not None:
                 self._trace("decode", context, started, request.request_id, final, error, len(ids),
-                            kv_from_store=request.HasField("kv_transfer"))
+                            **{"pdserve.kv_from_store": request.HasField("kv_transfer"),
+                               "pdserve.cancelled": cancelled})
 
     def _trace(self, call: str, context: grpc.aio.ServicerContext, started: float, request_id: str,
                final: RequestOutput | None, error: str | None, prompt_tokens: int,

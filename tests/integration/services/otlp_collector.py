@@ -25,6 +25,7 @@ class Span:
     error: bool = False
     start_ns: int = 0
     end_ns: int = 0
+    message: str = ""
 
 
 def _value(v: Any) -> Any:
@@ -56,7 +57,8 @@ class Collector(trace_service_pb2_grpc.TraceServiceServicer):
                     got.append(Span(service, s.name, s.trace_id.hex(), s.span_id.hex(),
                                     s.parent_span_id.hex(),
                                     {a.key: _value(a.value) for a in s.attributes},
-                                    s.status.code == 2, s.start_time_unix_nano, s.end_time_unix_nano))
+                                    s.status.code == 2, s.start_time_unix_nano, s.end_time_unix_nano,
+                                    s.status.message))
         with self._lock:
             self.spans += got
         return trace_service_pb2.ExportTraceServiceResponse()
