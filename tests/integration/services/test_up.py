@@ -124,8 +124,8 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
         router, store, prefill, decode, metrics, liveness = free_ports(6)
         offset = metrics - decode  # the decode (or colocated) worker's /metrics lands on a free port
         events = [p + k for p in (prefill, decode) for k in (2000, 3000)]
-        if 1024 <= prefill + offset <= 65535 and all(p <= 32767 and port_free("127.0.0.1", p)
-                                                     for p in events):
+        if all(1024 <= p <= 32767 and port_free("127.0.0.1", p)  # (not in the ephemeral range)
+               for p in (*events, prefill + offset)):
             break
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(router),
             "--kvstore-port", str(store), "--prefill-port", str(prefill), "--decode-port", str(decode),
@@ -151,7 +151,7 @@ def test_up_serves_the_openai_api_and_stops_on_ctrl_c(tiny_model_dir: Callable[[
             lines.append(proc.stdout.readline())
             if "pdserve is up" in lines[-1] or not lines[-1]:
                 break
-        assert "pdserve is up" in lines[-1], lines
+        assert "pdserve is up" in lines[-1], (lines, _stderr_tail(proc))
         for _ in range(5):  # then where the metrics and the KV events are
             lines.append(proc.stdout.readline())
             if lines[-1].startswith("kv events:") or not lines[-1]:
@@ -222,3 +222,13 @@ def _check_kv_events_replay(port: int) -> None:
     finally:
         dealer.close(linger=0)
         ctx.term()
+
+
+def _stderr_tail(proc: subprocess.Popen[str]) -> str:
+    """What `up` wrote to stderr, once it has exited (why it stopped), else nothing."""
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        return "(still running)"
+    assert proc.stderr is not None
+    return proc.stderr.read()[-4000:]
