@@ -1,9 +1,11 @@
 """Copies between the paged KV cache and LMCache KV_T2D objects `[tokens, 2, kv_heads *
-head_dim]` (the KV store connector's worker half), and its timings for benchmarks."""
+head_dim]` (the KV store connector's worker half), the check of a loaded object's metadata, and
+its timings for benchmarks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,3 +68,20 @@ class WorkerTimings:
         if len(self.loads) > self.keep:
             del self.loads[next(iter(self.loads))]
         del self.save_waits[:-self.keep]
+
+
+def check_object(obj: Any, width: int, dtype: str, first: int, hi: int) -> tuple[str | None, int]:
+    """(what is wrong with a loaded KV object, or None; its token count): LMCache metadata for a
+    KV_T2D tensor [n, 2, width] of `dtype` that reaches token `hi` from token `first`."""
+    from kvstore.lmcache_format import RemoteMetadata
+
+    try:
+        meta = RemoteMetadata.unpack(obj.metadata)
+    except ValueError as exc:
+        return f"has bad metadata: {exc}", 0
+    shape = meta.shapes[0]
+    n = shape[0]
+    if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width) or meta.dtypes[0] != dtype
+            or first + n < hi):
+        return f"does not match ({meta.length} bytes, shape {shape})", n
+    return None, n

@@ -44,7 +44,7 @@ import torch
 
 from engine.connector.base import KVConnectorOutput, KVConnectorWorker
 from engine.connector.kv_await import AwaitingLoads, LoadState
-from engine.connector.kv_copy import WorkerTimings, gather_tokens, scatter_tokens
+from engine.connector.kv_copy import WorkerTimings, check_object, gather_tokens, scatter_tokens
 from engine.connector.kv_layerwise import LayerwiseLoads
 from engine.connector.kv_shards import (
     HeadSplit,
@@ -305,7 +305,7 @@ class KVStoreConnectorWorker(KVConnectorWorker):
         problem, n = ("missing", 0) if not parts else (None, 0)
         for rank, key, o in parts:
             width = split.of(rank)[1] * self.shards.head_dim
-            problem, n = _check_object(o, width, str(kv.dtype).removeprefix("torch."), c * cs, hi)
+            problem, n = check_object(o, width, str(kv.dtype).removeprefix("torch."), c * cs, hi)
             problem = problem or self._check_integrity(key, o, _digest(spec.token_digests, c))
             if problem is not None:
                 break
@@ -396,19 +396,3 @@ class KVStoreConnectorWorker(KVConnectorWorker):
 def _nothing() -> None:
     pass
 
-
-def _check_object(obj: Any, width: int, dtype: str, first: int, hi: int) -> tuple[str | None, int]:
-    """(what is wrong with a loaded KV object, or None; its token count): LMCache metadata for a
-    KV_T2D tensor [n, 2, width] of `dtype` that reaches token `hi` from token `first`."""
-    from kvstore.lmcache_format import RemoteMetadata
-
-    try:
-        meta = RemoteMetadata.unpack(obj.metadata)
-    except ValueError as exc:
-        return f"has bad metadata: {exc}", 0
-    shape = meta.shapes[0]
-    n = shape[0]
-    if (meta.length != len(obj.data) or tuple(shape[1:]) != (2, width) or meta.dtypes[0] != dtype
-            or first + n < hi):
-        return f"does not match ({meta.length} bytes, shape {shape})", n
-    return None, n

@@ -47,11 +47,11 @@ def test_an_engine_with_the_default_takes_its_share(monkeypatch: pytest.MonkeyPa
 ])
 def test_up_divides_the_share_among_the_workers_it_may_run(argv: list[str], want: int) -> None:
     from services.cli import build_parser
-    from services.up import _worker_args, kv_cache_sharers
+    from services.up.specs import kv_cache_sharers, worker_args
 
     args = build_parser().parse_args(["up", *argv])
     assert kv_cache_sharers(args) == want
-    worker = _worker_args(args, "/m", "grpc://127.0.0.1:1")
+    worker = worker_args(args, "/m", "grpc://127.0.0.1:1")
     assert worker[worker.index("--kv-cache-sharers") + 1] == str(want)
     sized = build_parser().parse_args(["up", *argv, "--kv-cache-gib", "2"])
-    assert "--kv-cache-sharers" not in _worker_args(sized, "/m", "grpc://127.0.0.1:1")
+    assert "--kv-cache-sharers" not in worker_args(sized, "/m", "grpc://127.0.0.1:1")

@@ -215,7 +215,7 @@ def test_metrics_port_is_off_unless_given() -> None:
 
 def test_the_model_name_label_is_the_served_name_pdserve_up_gives_every_worker() -> None:
     from services.cli import build_parser
-    from services.up import _worker_args
+    from services.up.specs import worker_args
 
     args = build_parser().parse_args(["worker", "--role", "decode", "--model", "/models/m",
                                       "--served-model-name", "m"])
@@ -224,5 +224,5 @@ def test_the_model_name_label_is_the_served_name_pdserve_up_gives_every_worker()
     assert WorkerOptions(role="decode", engine=config, served_model_name="m").model_name == "m"
     assert WorkerOptions(role="decode", engine=config).model_name == "/models/m"
     up = build_parser().parse_args(["up", "--model", "smollm2-135m-instruct"])
-    argv = _worker_args(up, "/cache/models/smollm2", "grpc://127.0.0.1:50071")
+    argv = worker_args(up, "/cache/models/smollm2", "grpc://127.0.0.1:50071")
     assert argv[argv.index("--served-model-name") + 1] == "smollm2-135m-instruct"  # the router's --model

@@ -86,11 +86,11 @@ def test_a_call_goes_out_as_soon_as_its_object_closes() -> None:
 def test_pdserve_up_picks_the_model_familys_parser(tmp_path, arch: str, parser: str) -> None:
     import argparse
 
-    from services.up import _tool_args, default_tool_parser
+    from services.up.specs import default_tool_parser, tool_args
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
     assert default_tool_parser("my-model", str(tmp_path)) == parser
     assert default_tool_parser("smollm2-135m-instruct", str(tmp_path)) == "hermes"  # its template
     up = argparse.Namespace(model="my-model", chat_template=None, tool_call_parser="mistral")
-    assert _tool_args(up, str(tmp_path))[-3:] == ["--tool-call-parser", "mistral",
+    assert tool_args(up, str(tmp_path))[-3:] == ["--tool-call-parser", "mistral",
                                                   "--enable-auto-tool-choice"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from services.autoscaler.actuators import LocalProcessActuator
 from services.cli import build_parser
-from services.up import _prefill_args
+from services.up.specs import prefill_args
 
 
 def test_role_flags_go_to_that_role_only() -> None:
@@ -21,5 +21,5 @@ def test_role_flags_go_to_that_role_only() -> None:
 def test_up_prefill_flags_become_worker_flags() -> None:
     args = build_parser().parse_args(["up", "--prefill-scheduling-policy", "fcfs",
                                       "--prefill-max-num-batched-tokens", "2048"])
-    assert _prefill_args(args) == ["--max-num-batched-tokens", "2048", "--scheduling-policy", "fcfs"]
-    assert _prefill_args(build_parser().parse_args(["up"])) == []  # the workers' own defaults
+    assert prefill_args(args) == ["--max-num-batched-tokens", "2048", "--scheduling-policy", "fcfs"]
+    assert prefill_args(build_parser().parse_args(["up"])) == []  # the workers' own defaults

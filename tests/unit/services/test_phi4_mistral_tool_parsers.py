@@ -187,9 +187,9 @@ def test_the_parser_is_chosen_by_name_and_by_the_flags() -> None:
 @pytest.mark.parametrize(("arch", "parser"), [("Phi3ForCausalLM", "phi4_mini_json"),
                                               ("Mistral3ForConditionalGeneration", "mistral")])
 def test_pdserve_up_picks_the_model_familys_parser(tmp_path, arch: str, parser: str) -> None:
-    from services.up import _tool_args, default_tool_parser
+    from services.up.specs import default_tool_parser, tool_args
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
     assert default_tool_parser("microsoft/Phi-4-mini-instruct", str(tmp_path)) == parser
     up = argparse.Namespace(model="my-model", chat_template=None, tool_call_parser=None)
-    assert _tool_args(up, str(tmp_path))[-3:] == ["--tool-call-parser", parser, "--enable-auto-tool-choice"]
+    assert tool_args(up, str(tmp_path))[-3:] == ["--tool-call-parser", parser, "--enable-auto-tool-choice"]

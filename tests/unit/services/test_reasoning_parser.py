@@ -276,7 +276,7 @@ def test_the_router_flags() -> None:
     from services.cli import build_parser
     from services.router.api.reasoning import REASONING_PARSERS
     from services.router.config import RouterConfig
-    from services.up import _tool_args
+    from services.up.specs import tool_args
 
     base: dict[str, Any] = {"model": "m", "tokenizer": "m"}
     assert RouterConfig(**base, reasoning_parser="qwen3").reasoning_parser == "qwen3"
@@ -286,10 +286,10 @@ def test_the_router_flags() -> None:
     for name in REASONING_PARSERS:
         assert parser.parse_args([*router, "--reasoning-parser", name]).reasoning_parser == name
         up = parser.parse_args(["up", "--reasoning-parser", name])
-        assert _tool_args(up, "/nowhere")[-5:] == ["--reasoning-parser", name, "--tool-call-parser",
+        assert tool_args(up, "/nowhere")[-5:] == ["--reasoning-parser", name, "--tool-call-parser",
                                                    "hermes", "--enable-auto-tool-choice"]
     assert parser.parse_args(router).reasoning_parser is None
-    assert "--reasoning-parser" not in _tool_args(argparse.Namespace(model="x", chat_template=None),
+    assert "--reasoning-parser" not in tool_args(argparse.Namespace(model="x", chat_template=None),
                                                   "/nowhere")
     with pytest.raises(SystemExit):
         parser.parse_args([*router, "--reasoning-parser", "granite"])

@@ -256,7 +256,7 @@ def test_pool_options_are_validated() -> None:
 def test_cpu_lists_parse_and_unavailable_cpus_are_refused() -> None:
     import os
 
-    from services.up import parse_cpus
+    from services.up.specs import parse_cpus
 
     assert parse_cpus(None) is None and parse_cpus("") is None
     first = min(os.sched_getaffinity(0))

@@ -163,9 +163,9 @@ def test_router_flags_are_checked_as_vllm_checks_them(tmp_path: Any) -> None:
     ("/models/qwen2.5", "/t/x.jinja", ["--chat-template", "/t/x.jinja"]),
 ])
 def test_up_starts_the_router_with_tools_on(model: str, template: str | None, expected: list[str]) -> None:
-    from services.up import _tool_args
+    from services.up.specs import tool_args
 
     args = argparse.Namespace(model=model, chat_template=template)
     # a folder without config.json (or a Qwen one): Hermes, the format of the default's template
-    assert _tool_args(args, model) == [*expected, "--tool-call-parser", "hermes",
+    assert tool_args(args, model) == [*expected, "--tool-call-parser", "hermes",
                                        "--enable-auto-tool-choice"]
