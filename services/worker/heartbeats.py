@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
 
 T = TypeVar("T")
 
 
 async def with_heartbeats(items: AsyncIterator[T], interval_s: float, alive: Callable[[], bool]
-                          ) -> AsyncIterator[T | None]:
+                          ) -> AsyncGenerator[T | None, None]:
     """`items`, with a None each time `interval_s` passes without one while `alive()` says so.
     The pending item is never cancelled by a heartbeat (that would end an async generator)."""
     pending: asyncio.Future[T] = asyncio.ensure_future(anext(items))

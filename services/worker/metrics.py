@@ -235,13 +235,24 @@ class RpcCountingInterceptor(grpc.aio.ServerInterceptor):
     def _stream(self, method: str, behavior: Callable[..., AsyncIterator[Any]]
                 ) -> Callable[..., AsyncIterator[Any]]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            counted = False
+
+            def count(code: grpc.StatusCode) -> None:
+                nonlocal counted
+                if not counted:
+                    counted = True
+                    self._count(method, code)
+
+            # a call that ended before its handler did was cancelled; the handler may be left
+            # at a `yield` until it is collected (services/worker/call_end.py)
+            context.add_done_callback(lambda ctx: count(_status_of(asyncio.CancelledError(), ctx)))
             try:
                 async for item in behavior(request, context):
                     yield item
             except BaseException as e:
-                self._count(method, _status_of(e, context))
+                count(_status_of(e, context))
                 raise
-            self._count(method, _status_of(None, context))
+            count(_status_of(None, context))
 
         return wrapped
 

@@ -34,6 +34,7 @@ from protos import worker_pb2_grpc as pb_grpc
 from services import tracing
 from services.procs import instance_id
 from services.worker import trace_spans
+from services.worker.call_end import CallEnd
 from services.worker.convert import (
     chunk_from_output,
     kv_params_from_proto,
@@ -175,9 +176,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         outputs = self._generate(context, request.request_id, ids, params, request.priority,
                                  request.num_output_tokens, request.cache_salt,
                                  (ids, request.cache_salt) if early else None)
+        chunks = with_heartbeats(outputs, self.heartbeat_s, lambda: self.guard.core_alive(self.heartbeat_s))
+
+        def ended(was_cancelled: bool) -> None:
+            if early:
+                self._awaiting.pop(request.request_id, None)
+            if tracing.tracer() is not None:
+                self._trace("decode", context, started, request.request_id, final, error, len(ids),
+                            **{"pdserve.kv_from_store": request.HasField("kv_transfer"),
+                               "pdserve.cancelled": was_cancelled})
+
+        end = CallEnd(context, chunks, ended)
         try:
-            async for out in with_heartbeats(outputs, self.heartbeat_s,
-                                             lambda: self.guard.core_alive(self.heartbeat_s)):
+            async for out in chunks:
                 if out is None:  # nothing new for a while, the engine alive: tell the caller
                     yield pb.DecodeChunk()
                     continue
@@ -190,6 +201,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     final = out
                     chunk.usage.CopyFrom(pb.Usage(prompt_tokens=len(ids), completion_tokens=completion_tokens,
                                                   cached_tokens=out.num_cached_tokens or 0))
+                    end.end(cancelled=False)  # done: a caller closing the stream on this chunk ends nothing
                 yield chunk
         except _CANCELLED:
             cancelled = True
@@ -198,12 +210,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             error = f"{type(e).__name__}: {e}"
             raise
         finally:
-            if early:
-                self._awaiting.pop(request.request_id, None)
-            if tracing.tracer() is not None:
-                self._trace("decode", context, started, request.request_id, final, error, len(ids),
-                            **{"pdserve.kv_from_store": request.HasField("kv_transfer"),
-                               "pdserve.cancelled": cancelled})
+            end.end(cancelled)
 
     def _trace(self, call: str, context: grpc.aio.ServicerContext, started: float, request_id: str,
                final: RequestOutput | None, error: str | None, prompt_tokens: int,
@@ -341,7 +348,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await _fail(context, grpc.StatusCode.UNAVAILABLE, f"engine died: {e}")
-        except asyncio.CancelledError:  # the client cancelled or the server is stopping
+        except _CANCELLED:  # the client cancelled or the server is stopping (or the call ended: call_end.py)
             await asyncio.shield(engine.abort(request_id))
             raise
         finally:

@@ -1,19 +1,31 @@
 """A client that disconnects mid-stream: the router cancels the decode call, the worker aborts the
 request (it does not run on to max_tokens), and every worker is back to its idle load (nothing
 running, all KV blocks free) within seconds. Over a prefill + decode pair and over a colocated
-worker (tiny model, workers in this process, the router under uvicorn in a thread)."""
+worker (tiny model, workers in this process, the router under uvicorn in a thread).
+
+The same when the call ends while grpc.aio's handler waits at a chunk it is sending, which leaves
+the handler suspended until it is collected: the worker aborts and records the call's span when
+the call ends; a decode that sent its last chunk is complete, whenever its caller closes."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import grpc
 import openai
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from engine.sampling_params import SamplingParams
+from protos import worker_pb2 as pb
+from services import tracing
 from services.router.app import RouterConfig, create_app
 from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerServer
@@ -110,3 +122,92 @@ async def test_a_client_disconnecting_mid_stream_aborts_the_request_and_frees_ev
     assert generated < full_length // 2, (
         f"the {setup.decoder} worker generated {generated} of {full_length} tokens after the client left "
         f"({mid_generated} when it left, idle {idle_after_s:.2f} s later): not aborted")
+
+
+class HeldCall:
+    """A ServicerContext for calling a worker's Decode directly, whose call ends when the test
+    says (`end()` runs the done callbacks), with the handler still suspended at a `yield` and
+    still referenced: what grpc.aio leaves when the call ends while it sends a chunk, until the
+    handler generator is collected (services/worker/call_end.py)."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[Callable[[Any], None]] = []
+
+    def invocation_metadata(self) -> tuple[()]:
+        return ()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self.callbacks.append(callback)
+
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise AssertionError(f"the call failed: {code.name}: {details}")
+
+    def end(self) -> None:
+        for callback in self.callbacks:
+            callback(self)
+
+
+@pytest.fixture
+def spans(monkeypatch: pytest.MonkeyPatch) -> InMemorySpanExporter:
+    """The worker's spans in this process, kept in memory."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    return exporter
+
+
+def held_decode(worker: WorkerServer, request_id: str, max_tokens: int, call: HeldCall) -> Any:
+    request = pb.DecodeRequest(request_id=request_id, token_ids=list(range(40, 60)), params=pb.SamplingParams(
+        top_p=1.0, top_k=-1, max_tokens=max_tokens, repetition_penalty=1.0, ignore_eos=True))
+    return worker.servicer.Decode(request, call)
+
+
+def worker_spans(spans: InMemorySpanExporter, request_id: str) -> list[Any]:
+    return [s for s in spans.get_finished_spans()
+            if s.name == "worker decode" and (s.attributes or {}).get("pdserve.request_id") == request_id]
+
+
+@in_module_loop
+async def test_a_call_ended_while_its_handler_waits_at_a_chunk_aborts_its_request_at_once(
+        workers: dict[str, WorkerServer], spans: InMemorySpanExporter) -> None:
+    worker = workers["colocated"]
+    total = (await load_of(worker.target)).num_total_blocks
+    await wait_for_load(worker.target, total, timeout_s=IDLE_TIMEOUT_S)
+    generated_before = await generated_tokens(worker)
+    call = HeldCall()
+    handler = held_decode(worker, "held-mid-stream", MAX_TOKENS, call)
+    for _ in range(CHUNKS_BEFORE_DISCONNECT):
+        assert not (await anext(handler)).finish_reason
+    call.end()  # `handler` is still referenced and suspended: it never runs again
+    try:
+        await wait_for_load(worker.target, total, timeout_s=IDLE_TIMEOUT_S)
+        assert await generated_tokens(worker) - generated_before < MAX_TOKENS // 2
+        [span] = worker_spans(spans, "held-mid-stream")
+        assert span.attributes["pdserve.cancelled"] is True and span.status.is_ok
+    finally:
+        await handler.aclose()
+    assert len(worker_spans(spans, "held-mid-stream")) == 1  # its own end records nothing more
+
+
+@in_module_loop
+async def test_a_decode_that_sent_its_last_chunk_is_complete_when_its_caller_closes_the_stream(
+        workers: dict[str, WorkerServer], spans: InMemorySpanExporter) -> None:
+    call = HeldCall()
+    handler = held_decode(workers["colocated"], "held-last-chunk", 4, call)
+    try:
+        chunks = [await anext(handler)]
+        while not chunks[-1].finish_reason:
+            chunks.append(await anext(handler))
+        assert chunks[-1].usage.completion_tokens == 4
+        [span] = worker_spans(spans, "held-last-chunk")  # before the handler runs again
+        assert span.attributes["pdserve.cancelled"] is False and span.status.is_ok
+        assert span.attributes["pdserve.generated_tokens"] == 4
+        call.end()  # the caller closed the stream on that chunk
+        await asyncio.sleep(0.2)
+        assert len(worker_spans(spans, "held-last-chunk")) == 1
+    finally:
+        await handler.aclose()
