@@ -38,20 +38,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # only: a module missing here just runs in its usual place.
 HEAVY_FIRST = (
     "tests/integration/test_engine_vs_transformers.py",  # 85 s
-    "tests/integration/services/test_e2e_default_model.py",  # 61 s
-    "tests/integration/services/test_migration.py",  # 57 s
-    "tests/integration/services/test_up_supervision.py",  # 55 s
-    "tests/integration/services/test_truthful_health.py",  # 42 s
+    "tests/integration/services/api/test_e2e_default_model.py",  # 61 s
+    "tests/integration/services/faults/test_migration.py",  # 57 s
+    "tests/integration/services/up/test_up_supervision.py",  # 55 s
+    "tests/integration/services/faults/test_truthful_health.py",  # 42 s
     "tests/integration/loadtest/test_loadtest.py",  # 41 s
-    "tests/integration/services/test_tool_calling.py",  # 37 s
+    "tests/integration/services/api/test_tool_calling.py",  # 37 s
     "tests/integration/multihost/test_multihost.py",  # 37 s
-    "tests/integration/services/test_autoscaler.py",  # 37 s
-    "tests/integration/services/test_router_fuzz.py",  # 36 s
-    "tests/integration/services/test_structured_outputs.py",  # 36 s
+    "tests/integration/services/autoscaler/test_autoscaler.py",  # 37 s
+    "tests/integration/services/api/test_router_fuzz.py",  # 36 s
+    "tests/integration/services/api/test_structured_outputs.py",  # 36 s
     "tests/integration/connector/test_disaggregated.py",  # 33 s
-    "tests/integration/services/test_router_policies.py",  # 31 s
-    "tests/integration/services/test_up.py",  # 28 s
-    "tests/integration/services/test_faults.py",  # 27 s
+    "tests/integration/services/router/test_router_policies.py",  # 31 s
+    "tests/integration/services/up/test_up.py",  # 28 s
+    "tests/integration/services/faults/test_faults.py",  # 27 s
 )
 
 

@@ -5,7 +5,7 @@ deadline) on a store of front-ends over a Redis Cluster:
 - a Redis master killed (SIGKILL): calls on its slots fail fast with KVStoreClientError (what
   the KV connector takes as a miss or a dropped put), calls on the other masters' slots go on
   serving, and the front-ends stay SERVING. The request-level proof (workers recompute, every
-  request succeeds with the same output) is tests/integration/services/test_store_cluster_faults.py.
+  request succeeds with the same output) is tests/integration/services/faults/test_store_cluster_faults.py.
 """
 
 from __future__ import annotations

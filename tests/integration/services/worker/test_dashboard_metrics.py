@@ -202,7 +202,7 @@ async def test_request_histograms_observe_each_engine_request_and_the_router_eac
         max(tokens) for tokens in split.samples_per_request)
 
 
-DASHBOARD = Path(__file__).resolve().parents[3] / "deploy" / "observe" / "grafana" / "pdserve-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[4] / "deploy" / "observe" / "grafana" / "pdserve-dashboard.json"
 _METRIC = re.compile(r"\b((?:vllm|pdserve)[:_][A-Za-z0-9_:]*)(\{[^}]*\})?")
 _SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
 

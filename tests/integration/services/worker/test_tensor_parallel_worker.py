@@ -19,7 +19,13 @@ import pytest_asyncio
 
 from services.worker.client import WorkerClient, WorkerError
 from services.worker.server import WorkerServer
-from tests.integration.services.test_truthful_health import PROMPT, greedy, guarded_worker, tokens, until
+from tests.integration.services.faults.test_truthful_health import (
+    PROMPT,
+    greedy,
+    guarded_worker,
+    tokens,
+    until,
+)
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 TP_TIMEOUT_S = 5.0

@@ -15,7 +15,7 @@ from kvstore.client import KVStoreClient
 from kvstore.service import KVStoreService
 from services.worker.client import DecodeChunk, WorkerClient, WorkerError
 from services.worker.server import WorkerServer
-from tests.integration.services.test_worker_services import (
+from tests.integration.services.worker.test_worker_services import (
     LENGTHS,
     NEW_TOKENS,
     greedy,

@@ -296,7 +296,7 @@ async def test_cli_worker_serves_and_exits_cleanly_on_sigterm(
         sys.executable, "-m", "services.cli", "worker", "--role", "colocated", "--port", str(free_port()),
         "--model", str(model_dir), "--num-threads", "1", "--max-model-len", "512",
         "--num-kv-blocks", "96", "--grace-s", "2",
-        cwd=str(Path(__file__).resolve().parents[3]), stdout=asyncio.subprocess.PIPE)
+        cwd=str(Path(__file__).resolve().parents[4]), stdout=asyncio.subprocess.PIPE)
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), timeout=60)).decode()

@@ -30,10 +30,10 @@ from services.autoscaler.planner import Planner, PlannerConfig
 from services.procs import cli, stop_process
 from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import DispatchOptions
+from tests.integration.services.autoscaler.test_autoscaler import HUGE, MODEL, Load, until
+from tests.integration.services.autoscaler.test_k8s_actuator import labels, write_kubeconfig
 from tests.integration.services.fake_kube_api import COST, FakeKubeApi, wait_for
 from tests.integration.services.router_util import ServedRouter
-from tests.integration.services.test_autoscaler import HUGE, MODEL, Load, until
-from tests.integration.services.test_k8s_actuator import labels, write_kubeconfig
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from services.procs import free_ports, stop_process
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 class Up:

@@ -17,7 +17,7 @@ import pytest
 
 from services.procs import free_ports, port_free, stop_process
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def _descendants(pid: int) -> list[int]:

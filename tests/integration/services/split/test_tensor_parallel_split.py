@@ -21,7 +21,7 @@ from kvstore.service import KVStoreService
 from services.router.dispatch.dispatcher import Dispatcher, DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.conftest import running_together, worker_options
-from tests.integration.services.test_split_sampling import BASE, CASES, PROMPT, _same, _sample
+from tests.integration.services.split.test_split_sampling import BASE, CASES, PROMPT, _same, _sample
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 SIZES = {"p2": ("prefill", 2), "d1": ("decode", 1), "p1": ("prefill", 1), "d2": ("decode", 2),

@@ -21,7 +21,7 @@ from services.procs import free_port
 from services.router.dispatch.dispatcher import Dispatcher, DispatchOptions
 from services.worker.server import WorkerServer
 from tests.integration.services.conftest import running_together, worker_options
-from tests.integration.services.test_split_sampling import _ready, _sample
+from tests.integration.services.split.test_split_sampling import _ready, _sample
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}

@@ -22,7 +22,7 @@ import pytest
 from services.procs import free_ports, stop_process
 from tests.integration.services.otlp_collector import Collector, Span
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 CLIENT_SPAN = "00f067aa0ba902b7"
 
 

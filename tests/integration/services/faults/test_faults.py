@@ -25,7 +25,7 @@ from services.worker.server import WorkerServer
 from tests.integration.services.router_util import ServedRouter, free_port
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 MODEL = "tiny"
 PROMPTS = [f"Request number {i} says" for i in range(6)]
 NEW_TOKENS = 6

@@ -24,9 +24,9 @@ from services.router.app import RouterConfig
 from services.router.dispatch.dispatcher import DispatchOptions
 from services.worker.server import WorkerOptions, WorkerServer
 from tests.integration.kvstore.cluster_util import frontends, location
+from tests.integration.services.faults.test_store_faults import MODEL, PROMPTS, load_bytes, run_load
 from tests.integration.services.procs_util import Proc
 from tests.integration.services.router_util import ServedRouter
-from tests.integration.services.test_store_faults import MODEL, PROMPTS, load_bytes, run_load
 
 in_module_loop = pytest.mark.asyncio(loop_scope="module")
 
