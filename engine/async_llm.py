@@ -114,7 +114,7 @@ class AsyncLLM:
             for request in requests:
                 await self.engine_core.add_request_async(request)
         except BaseException:
-            self._abort_in_background(request_id)
+            self.abort_nowait(request_id)
             raise
         finished = False
         try:
@@ -126,7 +126,7 @@ class AsyncLLM:
                 yield output
         except BaseException:  # cancelled, closed early, or on_added failed: the core lets go too
             if not finished:
-                self._abort_in_background(request_id)
+                self.abort_nowait(request_id)
             raise
 
     async def add_first_token(self, request_id: str, token_id: int,
@@ -179,7 +179,9 @@ class AsyncLLM:
             self._dead = dead
             self.output_processor.propagate_error(dead)
 
-    def _abort_in_background(self, request_id: str) -> None:
+    def abort_nowait(self, request_id: str) -> None:
+        """`abort` without awaiting: the request's output ends now, the core is told by a task
+        (for a generator being closed, which must not await)."""
         core_ids = self.output_processor.abort_requests([request_id])
         if not core_ids or self._dead is not None:
             return

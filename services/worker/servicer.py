@@ -348,8 +348,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except EngineDeadError as e:
             await _fail(context, grpc.StatusCode.UNAVAILABLE, f"engine died: {e}")
-        except _CANCELLED:  # the client cancelled or the server is stopping (or the call ended: call_end.py)
+        except asyncio.CancelledError:  # the client cancelled or the server is stopping
             await asyncio.shield(engine.abort(request_id))
+            raise
+        except GeneratorExit:  # closed while at a yield (the call ended: call_end.py): no awaiting
+            engine.abort_nowait(request_id)
             raise
         finally:
             self._active.discard(request_id)
